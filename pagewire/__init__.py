@@ -1,0 +1,19 @@
+"""pagewire: serve large language models over gRPC.
+
+``from pagewire import LLM, SamplingParams`` for offline batch inference in one process.
+``LLM`` is imported lazily so that the scheduler, which imports ``pagewire.plan`` and
+``pagewire.sampling``, never pulls in torch.
+"""
+
+from pagewire.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "GenerationOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in ("LLM", "GenerationOutput"):
+        from pagewire import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'pagewire' has no attribute {name!r}")

@@ -1,0 +1,267 @@
+"""The scheduler's engine: requests in, token/text deltas out, one step at a time.
+
+It validates and tokenizes requests, runs the batching policy, hands each step plan to an
+executor (the worker in this process, or the worker over gRPC), and turns sampled tokens into
+streamed text with stop strings applied. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvcache.allocator import BlockAllocator
+from pagewire.plan import StepPlan, StepResult
+from pagewire.sampling import SamplingParams
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What the worker reports at start (sizes learned at run time)."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta for one request: the tokens and text produced since its last output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    num_streamed_tokens: int = 0
+    outputs: list = field(default_factory=list)
+
+
+class EngineCore:
+    """Validate, schedule, execute, detokenize. Single-threaded: the caller drives ``step()``."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        worker_info: WorkerInfo,
+        executor: Executor,
+        tokenizer: Tokenizer | None = None,
+    ):
+        # A sequence must fit in the cache on its own, or preemption could never make room.
+        capacity = worker_info.num_kv_blocks * worker_info.block_size
+        max_model_len = min(config.max_model_len, worker_info.max_model_len, capacity)
+        if max_model_len != config.max_model_len:
+            config = SchedulerConfig(
+                max_model_len=max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                enable_prefix_caching=config.enable_prefix_caching,
+                max_queued_requests=config.max_queued_requests,
+            )
+        self.config = config
+        self.worker_info = worker_info
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.allocator = BlockAllocator(
+            worker_info.num_kv_blocks, worker_info.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.allocator, worker_info.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_finished = 0
+        self.num_aborted = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def validate(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        sampling: SamplingParams,
+        *,
+        strict_length: bool = False,
+    ) -> list[int]:
+        """Check a request and return its prompt token ids. ``ValueError`` says what is wrong.
+
+        ``strict_length`` rejects prompt + max_tokens beyond the model length (the gRPC
+        contract); without it generation simply stops at the model length ("length")."""
+        if prompt is not None and prompt_token_ids:
+            raise ValueError("give either prompt or prompt_token_ids, not both")
+        if prompt is None and prompt_token_ids is None:
+            raise ValueError("a request needs a prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; send prompt_token_ids")
+            token_ids = self.tokenizer.encode(prompt)
+            if not token_ids:
+                raise ValueError("prompt encodes to no tokens")
+        else:
+            token_ids = [int(t) for t in prompt_token_ids]
+            if not token_ids:
+                raise ValueError("prompt_token_ids is empty")
+            vocab = self.worker_info.vocab_size
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        sampling.validate()
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens; the maximum model length is {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        if strict_length and n + sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) = {n + sampling.max_tokens} "
+                f"exceeds the maximum model length {self.max_model_len}"
+            )
+        return token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        strict_length: bool = False,
+    ) -> Sequence:
+        sampling = sampling or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        token_ids = self.validate(prompt, prompt_token_ids, sampling, strict_length=strict_length)
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            arrival_index=0,
+        )
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer.for_prompt(self.tokenizer, len(token_ids), sampling.stop)
+        req = _Request(request_id, seq, detok)
+        self.scheduler.add(seq)
+        self._requests[request_id] = req
+        self._by_seq[seq.seq_id] = req
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request: its blocks are freed now and the worker drops it in the next step."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        del self._by_seq[req.seq.seq_id]
+        self.scheduler.finish(req.seq, FinishReason.ABORT)
+        self.num_aborted += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- steps --------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Build the next plan, or None when there is nothing to tell the worker."""
+        if not self.scheduler.has_unfinished() and not self.scheduler.has_pending_drops():
+            return None
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.finished_seq_ids and not plan.block_copies:
+            return None
+        return plan
+
+    def process_result(self, result: StepResult) -> list[RequestOutput]:
+        """Apply a step result: stop checks, detokenization, one delta per request."""
+        outputs: list[RequestOutput] = []
+        for seq in self.scheduler.update(result):
+            req = self._by_seq.get(seq.seq_id)
+            if req is None:
+                continue
+            outputs.append(self._make_output(req))
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one step, execute it, and return the deltas it produced."""
+        plan = self.schedule()
+        if plan is None:
+            return []
+        return self.process_result(self.executor.execute(plan))
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        new_ids = seq.token_ids[seq.num_prompt_tokens + req.num_streamed_tokens :]
+        new_logprobs = None
+        if seq.sampling.logprobs:
+            new_logprobs = seq.logprobs[req.num_streamed_tokens :]
+        req.num_streamed_tokens += len(new_ids)
+        text = ""
+        if req.detokenizer is not None:
+            text = req.detokenizer.update(seq.token_ids, is_final=seq.is_finished)
+            if req.detokenizer.stopped and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+        out = RequestOutput(req.request_id, new_ids, text, seq.finish_reason, new_logprobs)
+        if seq.is_finished:
+            out.usage = Usage(
+                prompt_tokens=seq.num_prompt_tokens,
+                completion_tokens=seq.num_output_tokens,
+                cached_prompt_tokens=seq.num_cached_prompt_tokens or 0,
+            )
+            del self._requests[req.request_id]
+            del self._by_seq[seq.seq_id]
+            self.num_finished += 1
+        return out
+
+    def reset(self) -> list[str]:
+        """The worker was lost: forget all sequences and block accounting. Returns the ids of the
+        requests that were in flight (the caller fails them)."""
+        self.scheduler.reset()
+        lost = list(self._requests)
+        self._requests.clear()
+        self._by_seq.clear()
+        return lost

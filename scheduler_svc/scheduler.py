@@ -1,0 +1,242 @@
+"""Continuous batching: which sequences advance in the next step, and by how many tokens.
+
+There is no prefill or decode mode. Every sequence has ``num_computed_tokens`` catching up with
+``num_tokens``; a step gives each scheduled sequence a slice of the token budget: one token for
+a decode, a chunk for a prompt (chunked prefill), running sequences first so decodes keep
+flowing while long prompts are split across steps. Admission is first come, first served and
+limited by free KV blocks; when running sequences run out of blocks, the newest is preempted
+(its blocks freed, recomputed later from its tokens).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvcache.allocator import AppendResult, BlockAllocator
+from pagewire.plan import NewSequence, RunningSequence, StepPlan, StepResult
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+
+
+_NO_GROWTH = AppendResult(block_table_start=0, block_ids=[], copies=[])
+
+
+class Scheduler:
+    """Owns the waiting/running queues and the block allocator; builds step plans.
+
+    Call order per step: ``schedule()`` builds a plan (and advances ``num_computed_tokens`` as
+    if it ran); ``update(result)`` appends the sampled tokens and applies stop conditions that
+    depend on tokens only (EOS, stop token ids, max tokens, model length). Stop strings are the
+    caller's business: it calls ``finish()`` when it finds one.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.allocator = allocator
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self._next_step_id = 0
+        self._next_arrival = 0
+        # sequences the worker holds state for that must be dropped in the next plan
+        self._dropped_seq_ids: list[int] = []
+        self.num_preemptions = 0
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
+        seq.arrival_index = self._next_arrival
+        self._next_arrival += 1
+        seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence now (stop condition, stop string, abort): free or cache its blocks and
+        tell the worker to drop it in the next plan. Idempotent."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self.seqs[seq.seq_id]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_pending_drops(self) -> bool:
+        return bool(self._dropped_seq_ids)
+
+    def reset(self) -> list[Sequence]:
+        """Forget everything (the worker was lost): returns the sequences that were in flight."""
+        lost = list(self.running) + list(self.waiting)
+        self.running.clear()
+        self.waiting.clear()
+        self.seqs.clear()
+        self._dropped_seq_ids.clear()
+        self.allocator.reset()
+        return lost
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(step_id=self._next_step_id)
+        self._next_step_id += 1
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+
+        # Running sequences first, oldest first: decodes and the rest of chunked prompts.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            grown = self._grow(seq, seq.num_computed_tokens + num_new)
+            while grown is None:
+                # Out of blocks: preempt the newest running sequence (maybe this one).
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+                grown = self._grow(seq, seq.num_computed_tokens + num_new)
+            if grown is None:
+                break  # seq itself was preempted, and it was the newest: nothing after it
+            plan.block_copies.extend(grown.copies)
+            if seq.is_known_to_worker:
+                diff = RunningSequence(seq_id=seq.seq_id, num_scheduled_tokens=num_new)
+                if grown.block_ids:
+                    diff.block_table_start = grown.block_table_start
+                    diff.block_ids = list(grown.block_ids)
+                plan.running_seqs.append(diff)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+
+        # Admit waiting sequences, first come first served, unless we just had to preempt.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            allocation = self.allocator.allocate(seq.seq_id, seq.token_ids)
+            if allocation is None:
+                break  # head of line waits for blocks; later arrivals do not overtake it
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seq.num_computed_tokens = allocation.num_cached_tokens
+            seq.num_slot_tokens = len(seq.token_ids)
+            if seq.num_cached_prompt_tokens is None:
+                seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            plan.block_copies.extend(allocation.copies)
+            plan.new_seqs.append(
+                NewSequence(
+                    seq_id=seq.seq_id,
+                    token_ids=list(seq.token_ids),
+                    block_ids=list(allocation.block_ids),
+                    num_computed_tokens=seq.num_computed_tokens,
+                    num_scheduled_tokens=num_new,
+                    sampling=seq.sampling,
+                )
+            )
+            seq.is_known_to_worker = True
+            scheduled.append((seq, num_new))
+            budget -= num_new
+
+        for seq, num_new in scheduled:
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.num_pending_tokens += 1  # the worker samples a token this step
+            if self.allocator.enable_prefix_caching:
+                known = min(seq.num_computed_tokens, len(seq.token_ids))
+                self.allocator.cache_blocks(seq.seq_id, seq.token_ids, known)
+
+        plan.finished_seq_ids = self._dropped_seq_ids
+        self._dropped_seq_ids = []
+        return plan
+
+    def update(self, result: StepResult) -> list[Sequence]:
+        """Apply a step's sampled tokens. Returns the sequences that received a token (finished
+        ones included, with ``finish_reason`` set). Tokens for sequences that finished or were
+        aborted after the plan was sent are dropped."""
+        touched: list[Sequence] = []
+        logprobs = result.logprobs
+        for i, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.token_ids)):
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.num_pending_tokens == 0:
+                continue
+            seq.num_pending_tokens -= 1
+            seq.token_ids.append(token_id)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+            touched.append(seq)
+            reason = self._check_stop(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+        return touched
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.sampling
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if len(seq.token_ids) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> AppendResult | None:
+        """Make the sequence's blocks hold ``num_tokens`` tokens (a prompt's blocks were all
+        allocated at admission, so its chunks need nothing new)."""
+        if num_tokens <= seq.num_slot_tokens:
+            return _NO_GROWTH
+        grown = self.allocator.append_slots(seq.seq_id, num_tokens)
+        if grown is not None:
+            seq.num_slot_tokens = num_tokens
+        return grown
+
+    def _release(self, seq: Sequence) -> None:
+        if self.allocator.has_seq(seq.seq_id):
+            self.allocator.free(seq.seq_id)
+        if seq.is_known_to_worker:
+            self._dropped_seq_ids.append(seq.seq_id)
+            seq.is_known_to_worker = False
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and put it back at the head of the queue; it is recomputed
+        from its tokens (prompt and output so far) when readmitted, which gives the same greedy
+        output. A token still pending from an in-flight step is kept: it arrives in ``update``."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_slot_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

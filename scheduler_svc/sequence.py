@@ -1,0 +1,80 @@
+"""Per-request state on the scheduler side."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagewire.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model length
+    ABORT = "abort"  # cancelled by the client, or failed
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens and progress.
+
+    ``num_computed_tokens`` counts tokens whose K/V the worker has written, or will have written
+    once the plans already sent run: it advances when a step is *scheduled*, not when its result
+    arrives, so the next plan can be built before the previous result is back. A token sampled by
+    a step whose result has not arrived yet is counted in ``num_pending_tokens``: the worker knows
+    it, the scheduler does not yet.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
+    # prompt tokens served from the prefix cache at first admission (reported in usage)
+    num_cached_prompt_tokens: int | None = None
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    # whether the worker holds state for this sequence (it was sent as a NewSequence and not dropped)
+    is_known_to_worker: bool = False
+    # how many tokens the allocator has slots for (its view of the sequence's length)
+    num_slot_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """All tokens, including ones sampled by in-flight steps."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < len(self.token_ids)

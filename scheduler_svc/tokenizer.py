@@ -1,0 +1,146 @@
+"""Tokenizer, chat template and incremental detokenizer for the scheduler.
+
+Built on the ``tokenizers`` library and jinja2 directly (not ``transformers``) so the scheduler
+starts fast and never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _token_content(value) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):  # AddedToken serialised as a dict
+        return value.get("content")
+    return str(value)
+
+
+class Tokenizer:
+    """Encode prompts, decode outputs and render chat messages for one model directory."""
+
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}: pagewire needs a fast tokenizer file")
+        self._tok = _HFTokenizer.from_file(str(path))
+        config: dict = {}
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        template = config.get("chat_template")
+        jinja_path = model_dir / "chat_template.jinja"
+        if template is None and jinja_path.is_file():
+            template = jinja_path.read_text()
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self._compiled_template = None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # decode all-special ids in one set lookup
+        self.special_token_ids = frozenset(
+            tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render role/content messages with the model's chat template into prompt text."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not m["role"]:
+                raise ValueError("every chat message needs a non-empty role")
+            if not isinstance(m.get("content"), str):
+                raise ValueError("every chat message needs string content")
+        if self._compiled_template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._compiled_template = env.from_string(self.chat_template)
+        return self._compiled_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _raise_template_error(message: str):
+    raise ValueError(f"chat template error: {message}")
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window of already-emitted tokens plus the new ones and emits only the
+    suffix, so byte-level tokens that split a multi-byte character are held back until the
+    character is complete (a trailing U+FFFD means "not yet"). Text that might be the start of
+    a stop string is held back too, and a completed stop string is cut with all that follows.
+    """
+
+    tokenizer: Tokenizer
+    prefix_offset: int
+    read_offset: int
+    stop: tuple[str, ...] = ()
+    text: str = ""  # all output text decoded so far (stop string not cut yet)
+    num_emitted_chars: int = 0
+    stopped: bool = False
+
+    @classmethod
+    def for_prompt(cls, tokenizer: Tokenizer, num_prompt_tokens: int, stop: tuple[str, ...] = ()):
+        # a few prompt tokens of context make the first output tokens decode as they will in full
+        return cls(tokenizer, max(num_prompt_tokens - 5, 0), num_prompt_tokens, tuple(stop))
+
+    def update(self, token_ids: list[int], is_final: bool) -> str:
+        """Feed the full token list after new tokens arrived; return the text to stream now."""
+        if self.stopped:
+            return ""
+        prefix_text = self.tokenizer.decode(token_ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(token_ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and (is_final or not new_text.endswith("\ufffd")):
+            self.text += new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(token_ids)
+        emit_upto = len(self.text)
+        if self.stop:
+            start = max(self.num_emitted_chars - max(len(s) for s in self.stop), 0)
+            hit = min((p for p in (self.text.find(s, start) for s in self.stop) if p >= 0), default=-1)
+            if hit >= 0:
+                self.stopped = True
+                self.text = self.text[:hit]
+                emit_upto = hit
+            elif not is_final:
+                # hold back a tail that could still grow into a stop string
+                emit_upto = len(self.text) - _longest_stop_prefix_suffix(self.text, self.stop)
+        emit_upto = max(emit_upto, self.num_emitted_chars)
+        delta = self.text[self.num_emitted_chars : emit_upto]
+        self.num_emitted_chars = emit_upto
+        return delta
+
+
+def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,266 @@
+"""Scheduling core against a torch-free worker whose output depends on what it reads back
+through the block tables (tests/fake_worker.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagewire.sampling import SamplingParams
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import EngineCore, WorkerInfo
+from scheduler_svc.sequence import FinishReason
+from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
+
+
+def make_engine(num_blocks=64, block_size=4, budget=16, max_num_seqs=64, prefix=True, max_model_len=512):
+    worker = FakeKVWorker(num_blocks, block_size)
+    info = WorkerInfo("fake", VOCAB, max_model_len, block_size, num_blocks, (EOS,))
+    config = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=prefix,
+    )
+    return EngineCore(config, info, worker), worker
+
+
+def make_prompts(n, seed=0, lengths=None):
+    rng = random.Random(seed)
+    lengths = lengths or [rng.randint(1, 120) for _ in range(n)]
+    return [[rng.randrange(VOCAB - 1) for _ in range(L)] for L in lengths]
+
+
+def run_all(engine, prompts, params):
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    outs = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
+        outs[f"r{i}"] = []
+    finals = {}
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].extend(o.token_ids)
+            if o.finished:
+                finals[o.request_id] = o
+        engine.allocator.check_integrity()
+        steps += 1
+        assert steps < 10_000, "engine did not finish"
+    return [outs[f"r{i}"] for i in range(len(prompts))], [finals[f"r{i}"] for i in range(len(prompts))]
+
+
+def assert_all_free(engine):
+    engine.allocator.check_integrity()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+
+
+def test_batched_chunked_prefill_matches_reference():
+    engine, worker = make_engine(num_blocks=256, block_size=4, budget=16)
+    prompts = make_prompts(10, lengths=[1, 2, 4, 5, 17, 33, 64, 100, 121, 8])
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    outs, finals = run_all(engine, prompts, sp)
+    for p, o, f in zip(prompts, outs, finals):
+        assert o == reference_tokens(p, 12)
+        assert f.finish_reason is FinishReason.LENGTH
+        assert f.usage.prompt_tokens == len(p) and f.usage.completion_tokens == 12
+    assert_all_free(engine)
+    assert all(p.num_scheduled_tokens <= 16 for p in worker.plans)
+    # the long prompts really were split across steps
+    assert any(s.num_scheduled_tokens < len(s.token_ids) for p in worker.plans for s in p.new_seqs)
+
+
+def test_decodes_keep_flowing_during_long_prefill():
+    engine, worker = make_engine(num_blocks=256, block_size=4, budget=8)
+    engine.add_request("short", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(temperature=0, max_tokens=60))
+    engine.step()  # prefill the short one, it is now decoding
+    engine.add_request("long", prompt_token_ids=list(range(200)), sampling=SamplingParams(temperature=0, max_tokens=2))
+    decoded_each_step = []
+    while engine.has_unfinished():
+        engine.step()
+        plan = worker.plans[-1]
+        if any(s.seq_id == 1 for s in plan.new_seqs) or any(
+            d.seq_id == 1 and d.num_scheduled_tokens > 1 for d in plan.running_seqs
+        ):
+            # a step that carries a chunk of the long prompt also carries the short one's decode
+            decoded_each_step.append(any(d.seq_id == 0 for d in plan.running_seqs))
+    # 200 prompt tokens in chunks of 7 (budget 8 minus the decode) while the short one decodes
+    assert len(decoded_each_step) == 29
+    assert all(decoded_each_step)
+    assert_all_free(engine)
+
+
+def test_preemption_keeps_outputs_exact():
+    # 12 blocks of 4 tokens = 48 slots: far too few for 6 sequences of ~30 tokens at once
+    engine, worker = make_engine(num_blocks=12, block_size=4, budget=32, prefix=False)
+    prompts = make_prompts(6, seed=3, lengths=[9, 14, 5, 20, 11, 7])
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    outs, _ = run_all(engine, prompts, sp)
+    assert engine.scheduler.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o == reference_tokens(p, 16)
+    assert_all_free(engine)
+
+
+def test_preemption_with_prefix_cache_keeps_outputs_exact():
+    engine, _ = make_engine(num_blocks=14, block_size=4, budget=12, prefix=True)
+    base = make_prompts(1, seed=9, lengths=[12])[0]
+    prompts = [base + [i] * (i + 1) for i in range(6)]
+    outs, _ = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=14))
+    assert engine.scheduler.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o == reference_tokens(p, 14)
+    assert_all_free(engine)
+
+
+def test_prefix_cache_second_run_hits_and_matches():
+    engine, worker = make_engine(num_blocks=256, block_size=4, budget=64)
+    prompts = make_prompts(5, seed=5, lengths=[3, 16, 23, 40, 64])
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    first, f1 = run_all(engine, prompts, sp)
+    second, f2 = run_all(engine, prompts, sp)
+    assert first == second == [reference_tokens(p, 8) for p in prompts]
+    assert [f.usage.cached_prompt_tokens for f in f1] == [0] * 5
+    # full blocks are reused; a prompt made of full blocks only recomputes its last token
+    assert [f.usage.cached_prompt_tokens for f in f2] == [0, 15, 20, 39, 63]
+    assert_all_free(engine)
+    assert engine.allocator.num_cached_blocks > 0
+
+
+def test_fully_cached_prompt_copies_shared_last_block_before_writing():
+    engine, worker = make_engine(num_blocks=64, block_size=4, budget=64)
+    prompt = list(range(10, 26))  # 16 tokens: exactly 4 full blocks
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", prompt_token_ids=prompt, sampling=sp)
+    engine.step()  # prefill a: its 4 blocks are computed and cached
+    engine.add_request("b", prompt_token_ids=prompt, sampling=sp)
+    engine.step()
+    plan = worker.plans[-1]
+    (new,) = plan.new_seqs
+    assert new.num_computed_tokens == 15
+    a_blocks = engine.allocator.block_ids(0)
+    assert new.block_ids[:3] == a_blocks[:3]  # shared
+    src, dst = plan.block_copies[0]
+    assert src == a_blocks[3] and new.block_ids[3] == dst != src
+    outs, _ = {}, None
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+    assert_all_free(engine)
+    assert worker.copies == [(src, dst)]
+
+
+def test_stop_token_ids_eos_and_model_length():
+    engine, _ = make_engine(num_blocks=256, block_size=4, budget=64, max_model_len=40)
+    prompt = make_prompts(1, seed=11, lengths=[10])[0]
+    ref = reference_tokens(prompt, 40)
+    stop_tok = ref[4]
+    cut = ref.index(stop_tok) + 1
+    outs, finals = run_all(
+        engine,
+        [prompt, prompt, prompt],
+        [
+            SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]),
+            SamplingParams(temperature=0, max_tokens=7),
+            SamplingParams(temperature=0, max_tokens=1000),
+        ],
+    )
+    assert outs[0] == ref[:cut] and finals[0].finish_reason is FinishReason.STOP
+    assert outs[1] == ref[:7] and finals[1].finish_reason is FinishReason.LENGTH
+    assert len(prompt) + len(outs[2]) == 40 and finals[2].finish_reason is FinishReason.LENGTH
+    assert_all_free(engine)
+
+
+def test_abort_frees_blocks_and_worker_drops_state():
+    engine, worker = make_engine(num_blocks=64, block_size=4, budget=64)
+    for i in range(4):
+        engine.add_request(f"r{i}", prompt_token_ids=list(range(1, 12 + i)), sampling=SamplingParams(max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("r1") and engine.abort("r2")
+    assert not engine.abort("r1")
+    engine.allocator.check_integrity()
+    engine.step()
+    assert sorted(worker.plans[-1].finished_seq_ids) == [1, 2]
+    assert set(worker.seqs) == {0, 3}
+    for rid in ("r0", "r3"):
+        engine.abort(rid)
+    assert_all_free(engine)
+    assert engine.num_aborted == 4
+
+
+def test_max_num_seqs_caps_running():
+    engine, worker = make_engine(num_blocks=256, block_size=4, budget=256, max_num_seqs=3)
+    prompts = make_prompts(8, seed=2, lengths=[5] * 8)
+    outs, _ = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=5))
+    assert max(len(p.new_seqs) + len(p.running_seqs) for p in worker.plans) == 3
+    assert outs == [reference_tokens(p, 5) for p in prompts]
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(), "needs a prompt"),
+        (dict(prompt_token_ids=[1, VOCAB]), "outside the vocabulary"),
+        (dict(prompt_token_ids=list(range(100))), "maximum model length"),
+        (dict(prompt="hello"), "no tokenizer"),
+    ],
+)
+def test_bad_requests_raise_and_leave_engine_usable(kwargs, message):
+    engine, _ = make_engine(max_model_len=64)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", sampling=SamplingParams(temperature=0, max_tokens=4), **kwargs)
+    outs, _ = run_all(engine, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    assert outs == [reference_tokens([1, 2, 3], 4)]
+    assert_all_free(engine)
+
+
+def test_strict_length_rejects_prompt_plus_max_tokens():
+    engine, _ = make_engine(max_model_len=64)
+    with pytest.raises(ValueError, match="exceeds the maximum model length 64"):
+        engine.add_request("x", prompt_token_ids=[1] * 60, sampling=SamplingParams(max_tokens=5), strict_length=True)
+    engine.add_request("y", prompt_token_ids=[1] * 60, sampling=SamplingParams(max_tokens=4), strict_length=True)
+
+
+def test_model_len_capped_to_cache_capacity():
+    engine, _ = make_engine(num_blocks=8, block_size=4, max_model_len=512)
+    assert engine.max_model_len == 32
+
+
+def test_random_workload_with_aborts_balances_blocks():
+    rng = random.Random(1234)
+    engine, _ = make_engine(num_blocks=40, block_size=4, budget=24, max_num_seqs=8)
+    expected = {}
+    got = {}
+    live = set()
+    for step in range(400):
+        if rng.random() < 0.3 and len(live) < 12:
+            rid = f"q{step}"
+            prompt = [rng.randrange(VOCAB - 1) for _ in range(rng.randint(1, 30))]
+            n = rng.randint(1, 20)
+            engine.add_request(rid, prompt_token_ids=prompt, sampling=SamplingParams(temperature=0, max_tokens=n))
+            expected[rid] = reference_tokens(prompt, n)
+            got[rid] = []
+            live.add(rid)
+        if live and rng.random() < 0.05:
+            victim = rng.choice(sorted(live))
+            engine.abort(victim)
+            live.discard(victim)
+            expected.pop(victim)
+        for o in engine.step():
+            if o.request_id in got:
+                got[o.request_id].extend(o.token_ids)
+                if o.finished:
+                    live.discard(o.request_id)
+        engine.allocator.check_integrity()
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id].extend(o.token_ids)
+    for rid, toks in expected.items():
+        assert got[rid] == toks, rid
+    assert_all_free(engine)
