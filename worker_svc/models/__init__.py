@@ -1,0 +1,42 @@
+"""Model implementations, chosen by ``ModelConfig.architecture``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker_svc.config import ModelConfig
+from worker_svc.layers import RotaryEmbedding
+from worker_svc.models.gpt2 import GPT2LMHeadModel
+from worker_svc.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "gpt2": GPT2LMHeadModel,
+    "llama": LlamaForCausalLM,
+}
+
+
+def get_model_class(config: ModelConfig) -> type[nn.Module]:
+    """The model class for ``config.architecture``."""
+    try:
+        return _MODELS[config.architecture]
+    except KeyError:
+        raise ValueError(
+            f"no model for architecture {config.architecture!r}; supported: {', '.join(_MODELS)}"
+        ) from None
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """An inference-only model in ``dtype`` on ``device``. Its parameters are UNINITIALIZED (no random
+    init is spent on weights that load_weights overwrites, and load_weights fails on any missing one);
+    its derived buffers (rotary tables) are computed."""
+    cls = get_model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters()
+    model.requires_grad_(False)
+    return model.eval()

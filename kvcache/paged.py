@@ -1,0 +1,221 @@
+"""Physical paged KV cache: the K/V tensors, the batched append, block copies and paged attention.
+
+The scheduler owns block *allocation* (kvcache.allocator); this module only holds the tensors and
+applies what a step plan says. A token's K/V lives at a *slot*: ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one flattened step. T = total scheduled tokens, S = sequences."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for every scheduled token's K/V
+    query_start_loc: torch.Tensor  # [S+1] int32 cumulative query lengths (cu_seqlens), on the model device
+    seq_lens: torch.Tensor  # [S] int32: context length of each sequence AFTER this step (cached + new)
+    block_tables: torch.Tensor  # [S, max_blocks] int32, rows padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # host-side copies (python lists) so the CPU reference can plan without device syncs:
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    logits_indices: torch.Tensor  # [num_sampled] int64: indices into the T tokens whose hidden state gets logits
+
+
+class PagedKVCache:
+    """K/V for all layers: kv[layer] has shape [2, num_blocks, block_size, num_kv_heads, head_dim].
+
+    All layers live in one tensor ``kv`` of shape [num_layers, 2, num_blocks, block_size, Hkv, D], so a
+    block copy for every layer is a single gather + scatter over the block dimension.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value <= 0:
+                raise ValueError(f"PagedKVCache: {name} must be positive, got {value}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # [L, 2, N, B, Hkv, D]; zeros so that padded (never written) slots hold finite values.
+        self.kv = torch.zeros(
+            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=self.device
+        )
+
+    def layer(self, i: int) -> torch.Tensor:
+        """The [2, num_blocks, block_size, Hkv, D] view of layer ``i`` (contiguous)."""
+        return self.kv[i]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy block ``src`` to block ``dst`` in every layer, for each (src, dst) pair, in one op.
+
+        All sources are read before any destination is written, so a block may be both a source and
+        a destination in the same call. Destinations must be distinct.
+        """
+        if not copies:
+            return
+        pairs = torch.tensor(copies, dtype=torch.int64).to(self.device, non_blocking=True)  # [P, 2]
+        src, dst = pairs[:, 0], pairs[:, 1]
+        self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * element_size
+
+    @classmethod
+    def num_blocks_for_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many whole blocks fit in ``budget_bytes`` (0 when not even one does)."""
+        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        return max(0, int(budget_bytes) // per_block)
+
+
+def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Batched append: key/value [T, Hkv, D] into their slots with one scatter for the layer.
+
+    No per-sequence loop: a token that rolls over into a new block is just a slot in that block.
+    """
+    num_kv_heads, head_dim = kv_layer.shape[-2], kv_layer.shape[-1]
+    flat = kv_layer.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, Hkv, D]
+    flat.index_copy_(1, slot_mapping, torch.stack((key, value)).to(kv_layer.dtype))
+
+
+def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, H, D] -> out [T, H, D] over the paged cache (H a multiple of Hkv).
+
+    The dispatch point: a fused kernel with the same signature can take over for some devices;
+    the torch reference is the path everywhere else.
+    """
+    return paged_attention_ref(query, kv_layer, meta, scale)
+
+
+# Bound on gathered key positions per decode group ([S_group, max_len]), so that the padded gather of a
+# large decode batch does not materialize the whole context of every sequence at once.
+_DECODE_GATHER_TOKENS = 1 << 16
+
+
+def paged_attention_ref(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Plain torch paged attention; CPU-friendly, the production path without a GPU kernel.
+
+    Each sequence's queries are the last q_len positions of its context (seq_len - q_len .. seq_len - 1),
+    causal inside the chunk; keys/values come from the cache through the block table (the step's own
+    K/V must already be written). Decodes (q_len == 1) run together in one padded computation;
+    longer chunks run one by one. Keys are gathered whole blocks at a time (contiguous copies, much
+    faster than per-slot gathers) and positions past seq_len are masked.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_layer.shape[-2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    out = torch.empty_like(query)
+
+    decode_seqs: list[int] = []
+    decode_rows: list[int] = []
+    start = 0
+    for seq, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if q_len == 1:
+            decode_seqs.append(seq)
+            decode_rows.append(start)
+        elif q_len > 1:
+            out[start : start + q_len] = _chunk_attention(
+                query[start : start + q_len], kv_layer, meta.block_tables[seq], seq_len, scale
+            )
+        start += q_len
+    if start != num_tokens:
+        raise ValueError(f"query has {num_tokens} tokens but the metadata schedules {start}")
+
+    if decode_seqs:
+        seq_lens = [meta.seq_lens_cpu[s] for s in decode_seqs]
+        per_group = max(1, _DECODE_GATHER_TOKENS // max(seq_lens))
+        for g in range(0, len(decode_seqs), per_group):
+            rows = torch.tensor(decode_rows[g : g + per_group], dtype=torch.int64).to(query.device, non_blocking=True)
+            out[rows] = _decode_attention(
+                query[rows], kv_layer, meta.block_tables, decode_seqs[g : g + per_group], seq_lens[g : g + per_group], scale
+            )
+    return out
+
+
+def _chunk_attention(
+    query: torch.Tensor,  # [q_len, H, D]
+    kv_layer: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [max_blocks] int32
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    q_len, _, head_dim = query.shape
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    kv = kv_layer.index_select(1, blocks).view(2, -1, num_kv_heads, head_dim)[:, :seq_len]  # [2, seq_len, Hkv, D]
+    key, value = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [Hkv, seq_len, D]
+    q = query.transpose(0, 1)  # [H, q_len, D]
+    if q_len == seq_len:
+        out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query i sits at position seq_len - q_len + i and sees keys 0 .. that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)  # [q_len, H, D]
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [S, H, D]
+    kv_layer: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S_all, max_blocks] int32
+    seqs: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    device = query.device
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    num_blocks = -(-max(seq_lens) // block_size)
+    padded_len = num_blocks * block_size
+    seq_index = torch.tensor(seqs, dtype=torch.int64).to(device, non_blocking=True)
+    lens = torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True)
+    blocks = block_tables.index_select(0, seq_index)[:, :num_blocks].long().flatten()  # [S * nb]
+    # Padding entries of a block table point at block 0: gathered, then masked, never used as context.
+    kv = kv_layer.index_select(1, blocks).view(2, num_seqs, padded_len, num_kv_heads, head_dim)
+    key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [S, Hkv, padded_len, D]
+    valid = torch.arange(padded_len, device=device)[None, :] < lens[:, None]  # [S, padded_len]
+    # GQA without repeating K/V: the group's query heads act as the query "length" of each KV head.
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [S, Hkv, G, D]
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)

@@ -1,0 +1,34 @@
+"""Activation functions by Hugging Face name."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def get_activation(name: str):
+    """The function for a Hugging Face ``hidden_act`` / ``activation_function`` name."""
+    if name == "silu":
+        return F.silu
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return _gelu_tanh
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"unsupported activation {name!r}; supported: silu, gelu_new, gelu_pytorch_tanh, gelu")
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class ActAndMul(nn.Module):
+    """act(gate) * up for a fused [T, 2 * I] gate/up projection."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.act = get_activation(name)
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up

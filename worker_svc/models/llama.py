@@ -1,0 +1,140 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+Module names mirror transformers' ``LlamaForCausalLM`` so checkpoints load by name; q/k/v and
+gate/up are fused into one matmul each and loaded shard by shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.paged import AttentionMetadata, PagedKVCache
+from worker_svc.config import ModelConfig
+from worker_svc.layers import (
+    ActAndMul,
+    MergedLinear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    load_weights_by_name,
+)
+
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_layer, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ActAndMul(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, cos, sin, kv_layer, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_layer, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        # One table for all layers; cos/sin are looked up once per step.
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied embeddings: logits use embed_tokens.weight directly (no second parameter to keep tied).
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Runs every layer over the step's flattened tokens; returns the final-normed hidden states
+        of the tokens at ``meta.logits_indices`` only: [num_sampled, hidden]."""
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.model.rotary_emb(positions, hidden.dtype)
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, cos, sin, kv_cache.layer(i), meta)
+        return self.model.norm(hidden[meta.logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors; raises ValueError on missing or unexpected weights."""
+
+        def normalized():
+            for name, tensor in weights:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer some old checkpoints carry; we compute it
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied: equal to embed_tokens.weight
+                yield name, tensor
+
+        load_weights_by_name(self, normalized(), _STACKED)

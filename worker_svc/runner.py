@@ -1,0 +1,269 @@
+"""The step executor: applies a step plan to the paged KV cache and runs the model once.
+
+Every scheduled token of the step, prefill chunks and decodes alike, is flattened into one
+batch; positions and slot mappings are computed from flat arrays without a per-token Python
+loop; the model writes all new K/V with one scatter per layer, attends over the paged cache,
+and one token is sampled for each sequence that reached the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcache.paged import AttentionMetadata, PagedKVCache
+from pagewire.plan import StepPlan, StepResult
+from pagewire.sampling import SamplingParams
+from worker_svc.config import ModelConfig
+from worker_svc.sampler import Sampler, SamplingBatch
+from worker_svc.weights import load_model
+
+log = logging.getLogger("pagewire.worker")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """Worker-side engine options."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes allows
+    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    dtype: str = "float32"
+    device: str | None = None  # None: cuda if available, else cpu
+    max_model_len: int | None = None  # None: the model's own
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        parse_dtype(self.dtype)
+
+
+@dataclass(slots=True)
+class _SeqState:
+    """What the worker keeps per sequence between steps."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sampled_states: list[_SeqState] = field(default_factory=list)
+    sampled_seq_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Holds the model and the paged KV cache; executes step plans."""
+
+    def __init__(self, model_dir: str | Path, config: RunnerConfig | None = None):
+        self.config = config = config or RunnerConfig()
+        self.model_dir = Path(model_dir)
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(config.dtype)
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
+        mc: ModelConfig = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            budget = config.kv_cache_bytes or self._default_kv_budget()
+            num_blocks = PagedKVCache.num_blocks_for_budget(
+                budget, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+            )
+            if num_blocks < 1:
+                raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {config.block_size} tokens")
+        self.kv_cache = PagedKVCache(
+            mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+        )
+        self.block_size = config.block_size
+        self.sampler = Sampler(self.device)
+        self._seqs: dict[int, _SeqState] = {}
+        self.num_block_copies = 0
+        log.info(
+            "worker ready: %s, %s on %s, %d KV blocks of %d tokens, max model length %d",
+            mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
+        )
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.9)
+        return DEFAULT_CPU_KV_CACHE_BYTES
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._seqs)
+
+    def reset(self) -> None:
+        """Drop all per-sequence state (the scheduler reconnected and starts from scratch)."""
+        self._seqs.clear()
+
+    # ---- one step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply_plan(plan)
+        result = StepResult(step_id=plan.step_id)
+        if plan.is_empty:
+            return result
+        inputs = self._prepare_inputs(plan)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if not inputs.sampled_states:
+            return result
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+        batch = SamplingBatch(
+            params=[s.sampling for s in inputs.sampled_states],
+            positions=[len(s.token_ids) for s in inputs.sampled_states],
+            want_logprobs=any(s.sampling.logprobs for s in inputs.sampled_states),
+        )
+        tokens, logprobs = self.sampler(logits, batch)
+        token_list = tokens.tolist()  # the step's one device -> host sync
+        for state, token in zip(inputs.sampled_states, token_list):
+            state.token_ids.append(token)
+        result.seq_ids = inputs.sampled_seq_ids
+        result.token_ids = token_list
+        if logprobs is not None:
+            result.logprobs = [
+                lp if s.sampling.logprobs else float("nan")
+                for lp, s in zip(logprobs.tolist(), inputs.sampled_states)
+            ]
+        return result
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        for seq_id in plan.finished_seq_ids:
+            self._seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self._seqs[new.seq_id] = _SeqState(
+                token_ids=list(new.token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=new.sampling,
+            )
+        for diff in plan.running_seqs:
+            state = self._seqs.get(diff.seq_id)
+            if state is None:
+                raise KeyError(f"step {plan.step_id}: sequence {diff.seq_id} is not known to this worker")
+            if diff.block_ids:
+                del state.block_ids[diff.block_table_start :]
+                state.block_ids.extend(diff.block_ids)
+        if plan.block_copies:
+            self.kv_cache.copy_blocks(plan.block_copies)
+            self.num_block_copies += len(plan.block_copies)
+
+    def _prepare_inputs(self, plan: StepPlan) -> _StepInputs:
+        block_size = self.block_size
+        states: list[_SeqState] = []
+        num_new: list[int] = []
+        seq_ids: list[int] = []
+        for s in plan.new_seqs:
+            states.append(self._seqs[s.seq_id])
+            num_new.append(s.num_scheduled_tokens)
+            seq_ids.append(s.seq_id)
+        for s in plan.running_seqs:
+            states.append(self._seqs[s.seq_id])
+            num_new.append(s.num_scheduled_tokens)
+            seq_ids.append(s.seq_id)
+
+        num_seqs = len(states)
+        query_lens = np.asarray(num_new, dtype=np.int64)
+        starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
+        seq_lens = starts + query_lens
+        for state, n, end in zip(states, num_new, seq_lens.tolist()):
+            if end > len(state.token_ids):
+                raise ValueError(f"step {plan.step_id}: scheduled past the known tokens of a sequence")
+            if end > len(state.block_ids) * block_size:
+                raise ValueError(f"step {plan.step_id}: a sequence has too few blocks for its tokens")
+
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        # token t belongs to sequence seq_index[t] and sits at positions[t]
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
+        input_ids = np.fromiter(
+            (t for state, a, b in zip(states, starts.tolist(), seq_lens.tolist()) for t in state.token_ids[a:b]),
+            dtype=np.int64,
+            count=num_tokens,
+        )
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        for i, state in enumerate(states):
+            block_table[i, : len(state.block_ids)] = state.block_ids
+        slot_mapping = block_table[seq_index, positions // block_size] * block_size + positions % block_size
+
+        sampled = [i for i, (state, end) in enumerate(zip(states, seq_lens.tolist())) if end == len(state.token_ids)]
+        logits_indices = cu[1:][sampled] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=_to_device(slot_mapping, torch.int64, dev),
+            query_start_loc=_to_device(cu, torch.int32, dev),
+            seq_lens=_to_device(seq_lens, torch.int32, dev),
+            block_tables=_to_device(block_table, torch.int32, dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            logits_indices=_to_device(logits_indices, torch.int64, dev),
+        )
+        for state, a, n in zip(states, starts.tolist(), num_new):
+            state.num_computed_tokens = a + n
+        return _StepInputs(
+            input_ids=_to_device(input_ids, torch.int64, dev),
+            positions=_to_device(positions, torch.int64, dev),
+            meta=meta,
+            sampled_states=[states[i] for i in sampled],
+            sampled_seq_ids=[seq_ids[i] for i in sampled],
+        )
+
+
+def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

