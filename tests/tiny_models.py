@@ -352,6 +352,7 @@ def get_tiny_model(kind: str) -> Path:
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=CACHE_DIR))
         try:
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
             build_tiny_model(kind, tmp)
             try:
                 os.replace(tmp, final)

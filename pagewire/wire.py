@@ -1,0 +1,157 @@
+"""Conversions between the domain types and their protobuf messages, at the service edges.
+
+Bulk integer arrays travel as little-endian bytes and are read with numpy, without a Python
+loop per element. Torch-free: the scheduler uses this module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagewire.plan import NewSequence, RunningSequence, StepPlan, StepResult
+from pagewire.sampling import SamplingParams
+from pagewire.v1 import generation_pb2 as gen_pb
+from pagewire.v1 import worker_pb2 as worker_pb
+
+_I32 = np.dtype("<i4")
+_I64 = np.dtype("<i8")
+_F32 = np.dtype("<f4")
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def _ints(data: bytes, dtype: np.dtype) -> list[int]:
+    return np.frombuffer(data, dtype=dtype).tolist()
+
+
+def _bytes(values, dtype: np.dtype) -> bytes:
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+
+def sampling_from_pb(msg: gen_pb.SamplingParams) -> SamplingParams:
+    """Protobuf -> SamplingParams; proto3 defaults map to the documented ones. ValueError on
+    out-of-range values."""
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
+        top_k=int(msg.top_k),
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+        max_tokens=int(msg.max_tokens) or DEFAULT_MAX_TOKENS,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=bool(msg.ignore_eos),
+        logprobs=bool(msg.logprobs),
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> gen_pb.SamplingParams:
+    msg = gen_pb.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+# ---- step plan ------------------------------------------------------------------------------
+
+
+def plan_to_pb(plan: StepPlan) -> worker_pb.StepPlan:
+    msg = worker_pb.StepPlan(step_id=plan.step_id)
+    for s in plan.new_seqs:
+        msg.new_seqs.append(
+            worker_pb.NewSequence(
+                seq_id=s.seq_id,
+                token_ids=_bytes(s.token_ids, _I32),
+                block_ids=_bytes(s.block_ids, _I32),
+                num_computed_tokens=s.num_computed_tokens,
+                num_scheduled_tokens=s.num_scheduled_tokens,
+                sampling=sampling_to_pb(s.sampling),
+            )
+        )
+    running = plan.running_seqs
+    if running:
+        msg.running_seq_ids = _bytes([r.seq_id for r in running], _I64)
+        msg.running_num_scheduled_tokens = _bytes([r.num_scheduled_tokens for r in running], _I32)
+        rows = [i for i, r in enumerate(running) if r.block_ids]
+        if rows:
+            msg.block_update_rows = _bytes(rows, _I32)
+            msg.block_update_starts = _bytes([running[i].block_table_start for i in rows], _I32)
+            msg.block_update_lengths = _bytes([len(running[i].block_ids) for i in rows], _I32)
+            msg.block_update_ids = _bytes([b for i in rows for b in running[i].block_ids], _I32)
+    if plan.finished_seq_ids:
+        msg.finished_seq_ids = _bytes(plan.finished_seq_ids, _I64)
+    if plan.block_copies:
+        msg.block_copies = _bytes(plan.block_copies, _I32)
+    return msg
+
+
+def plan_from_pb(msg: worker_pb.StepPlan) -> StepPlan:
+    new_seqs = [
+        NewSequence(
+            seq_id=s.seq_id,
+            token_ids=_ints(s.token_ids, _I32),
+            block_ids=_ints(s.block_ids, _I32),
+            num_computed_tokens=s.num_computed_tokens,
+            num_scheduled_tokens=s.num_scheduled_tokens,
+            sampling=sampling_from_pb(s.sampling),
+        )
+        for s in msg.new_seqs
+    ]
+    seq_ids = _ints(msg.running_seq_ids, _I64)
+    counts = _ints(msg.running_num_scheduled_tokens, _I32)
+    if len(seq_ids) != len(counts):
+        raise ValueError("step plan: running_seq_ids and running_num_scheduled_tokens differ in length")
+    running = [RunningSequence(seq_id=s, num_scheduled_tokens=n) for s, n in zip(seq_ids, counts)]
+    if msg.block_update_rows:
+        ids = np.frombuffer(msg.block_update_ids, dtype=_I32)
+        offset = 0
+        for row, start, length in zip(
+            _ints(msg.block_update_rows, _I32),
+            _ints(msg.block_update_starts, _I32),
+            _ints(msg.block_update_lengths, _I32),
+        ):
+            running[row].block_table_start = start
+            running[row].block_ids = ids[offset : offset + length].tolist()
+            offset += length
+    copies = np.frombuffer(msg.block_copies, dtype=_I32).reshape(-1, 2).tolist()
+    return StepPlan(
+        step_id=msg.step_id,
+        new_seqs=new_seqs,
+        running_seqs=running,
+        finished_seq_ids=_ints(msg.finished_seq_ids, _I64),
+        block_copies=[(a, b) for a, b in copies],
+    )
+
+
+# ---- step result ----------------------------------------------------------------------------
+
+
+def result_to_pb(result: StepResult) -> worker_pb.StepResult:
+    msg = worker_pb.StepResult(
+        step_id=result.step_id,
+        seq_ids=_bytes(result.seq_ids, _I64),
+        token_ids=_bytes(result.token_ids, _I32),
+    )
+    if result.logprobs is not None:
+        msg.logprobs = _bytes(result.logprobs, _F32)
+    return msg
+
+
+def result_from_pb(msg: worker_pb.StepResult) -> StepResult:
+    return StepResult(
+        step_id=msg.step_id,
+        seq_ids=_ints(msg.seq_ids, _I64),
+        token_ids=_ints(msg.token_ids, _I32),
+        logprobs=np.frombuffer(msg.logprobs, dtype=_F32).tolist() if msg.logprobs else None,
+    )

@@ -1,0 +1,112 @@
+"""Start pagewire services as real processes on loopback for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagewire.v1 import generation_pb2 as pb
+from pagewire.v1 import generation_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A pagewire subcommand running in its own process group, with its output in a log file."""
+
+    def __init__(self, argv: list[str], log_path: Path):
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagewire.cli", *argv],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_output(self, text: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.output():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}:\n{self.output()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"no {text!r} from {self.argv[0]} within {timeout}s:\n{self.output()}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_worker(model_dir, tmp_path: Path, port: int | None = None, extra=()) -> tuple[Proc, str]:
+    port = port or free_port()
+    addr = f"127.0.0.1:{port}"
+    proc = Proc(["worker", "--model", str(model_dir), "--listen", addr, *extra], tmp_path / f"worker-{port}.log")
+    proc.wait_for_output("worker ready")
+    return proc, addr
+
+
+def start_scheduler(worker_addr: str, tmp_path: Path, extra=()) -> tuple[Proc, str]:
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    proc = Proc(["scheduler", "--worker", worker_addr, "--listen", addr, *extra], tmp_path / f"scheduler-{port}.log")
+    proc.wait_for_output("scheduler ready")
+    return proc, addr
+
+
+def stub(addr: str) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(addr))
+
+
+def health_status(addr: str, service: str = "") -> int:
+    with grpc.insecure_channel(addr) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def sampling(**kw) -> pb.SamplingParams:
+    from pagewire.client import make_sampling
+
+    return make_sampling(**kw)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError("condition not met in time")

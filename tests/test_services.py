@@ -1,0 +1,283 @@
+"""Scheduler and worker as separate processes over loopback gRPC."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from pagewire import LLM, SamplingParams
+from pagewire.v1 import generation_pb2 as pb
+from tests.service_utils import (
+    Proc, free_port, health_status, sampling, start_scheduler, start_worker, stub, wait_until,
+)
+from tests.tiny_models import sample_prompts
+
+pytestmark = pytest.mark.slow
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def services(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("svc")
+    worker, worker_addr = start_worker(model_dir, tmp, extra=["--block-size", "4", "--num-kv-blocks", "600"])
+    sched, addr = start_scheduler(worker_addr, tmp, extra=["--max-num-batched-tokens", "64"])
+    yield addr
+    sched.stop()
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model_dir, block_size=4, num_kv_blocks=600, max_num_batched_tokens=64)
+
+
+def collect(call) -> tuple[list[int], str, list[pb.GenerateResponse]]:
+    responses = list(call)
+    return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses), responses
+
+
+def assert_all_blocks_free(addr):
+    def done():
+        s = stub(addr).GetStats(pb.StatsRequest())
+        return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks and s
+
+    return wait_until(done, timeout=10)
+
+
+def test_greedy_parity_16_concurrent_streams(services, offline, model_dir):
+    prompts = (sample_prompts(model_dir, n=8) * 3)[:20]
+    expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=24))]
+    s = stub(services)
+
+    def one(p):
+        return collect(s.Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=24))))
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(one, prompts))
+    assert [r[0] for r in results] == expected
+    for (_, _, responses), p in zip(results, prompts):
+        last = responses[-1]
+        assert last.finish_reason in (pb.STOP, pb.LENGTH)
+        assert all(r.finish_reason == pb.UNSPECIFIED for r in responses[:-1])
+        assert last.usage.prompt_tokens == len(p)
+        assert last.usage.completion_tokens == sum(len(r.token_ids) for r in responses)
+    assert_all_blocks_free(services)
+
+
+def test_streaming_is_incremental_and_text_matches(services, offline):
+    s = stub(services)
+    call = s.Generate(pb.GenerateRequest(prompt="The river ", sampling=sampling(max_tokens=40, ignore_eos=True)))
+    first = next(call)
+    assert first.finish_reason == pb.UNSPECIFIED and len(first.token_ids) >= 1
+    rest = list(call)
+    ids = list(first.token_ids) + [t for r in rest for t in r.token_ids]
+    text = first.text + "".join(r.text for r in rest)
+    assert len(ids) == 40 and len(rest) >= 5
+    assert text == offline.tokenizer.decode(ids)
+
+
+def test_random_bytes_detokenize_exactly(services, offline):
+    """High-temperature sampling emits stray byte tokens; the streamed text still equals the
+    decode of all tokens (multi-byte characters split across tokens included)."""
+    s = stub(services)
+    for seed in range(4):
+        ids, text, _ = collect(
+            s.Generate(pb.GenerateRequest(prompt="日本語 héllo ", sampling=sampling(max_tokens=60, temperature=3.0, seed=seed, ignore_eos=True)))
+        )
+        assert text == offline.tokenizer.decode(ids)
+
+
+def test_stop_strings_are_cut(services, offline):
+    s = stub(services)
+    ids, text, _ = collect(s.Generate(pb.GenerateRequest(prompt="The river ", sampling=sampling(max_tokens=30, ignore_eos=True))))
+    stop = text[len(text) // 2 :][:3]
+    _, cut, responses = collect(
+        s.Generate(pb.GenerateRequest(prompt="The river ", sampling=sampling(max_tokens=30, ignore_eos=True, stop=[stop])))
+    )
+    assert cut == text[: text.index(stop)]
+    assert responses[-1].finish_reason == pb.STOP
+
+
+def test_chat_uses_template(services, offline):
+    s = stub(services)
+    msgs = [pb.ChatMessage(role="user", content="Tell me about the sea.")]
+    ids, text, responses = collect(s.Chat(pb.ChatRequest(messages=msgs, sampling=sampling(max_tokens=12))))
+    prompt = offline.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}])
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert ids == expected.token_ids and text == expected.text
+    assert responses[-1].usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, fragment",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="hi", prompt_token_ids=[1, 2]), "not both"),
+        (dict(prompt_token_ids=[1, 10**6]), "outside the vocabulary"),
+        (dict(prompt="hi", sampling=sampling(max_tokens=10_000)), "exceeds the maximum model length"),
+        (dict(prompt="hi", sampling=sampling(temperature=-1.0)), "temperature"),
+        (dict(prompt="hi", sampling=sampling(top_p=0.0)), "top_p"),
+        (dict(prompt="hi", sampling=sampling(top_p=1.5)), "top_p"),
+        (dict(prompt="hi", model="no-such-model"), "unknown model"),
+    ],
+)
+def test_bad_requests_get_invalid_argument(services, request_kwargs, fragment):
+    s = stub(services)
+    with pytest.raises(grpc.RpcError) as err:
+        list(s.Generate(pb.GenerateRequest(**request_kwargs)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in err.value.details()
+    ids, _, _ = collect(s.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling(max_tokens=3))))
+    assert len(ids) >= 1
+
+
+def test_model_info_and_stats(services, model_dir):
+    s = stub(services)
+    info = s.GetModelInfo(pb.ModelInfoRequest())
+    assert info.model_name == model_dir.name and info.block_size == 4 and info.num_kv_blocks == 600
+    assert info.max_model_len == 256 and info.vocab_size > 0 and list(info.eos_token_ids)
+    assert health_status(services) == SERVING
+    assert health_status(services, "pagewire.v1.Generation") == SERVING
+    stats = s.GetStats(pb.StatsRequest())
+    assert stats.num_total_blocks == 600 and stats.worker_connected
+    assert stats.num_requests_rejected >= 0
+
+
+def test_cancel_20_of_40_streams(services, offline, model_dir):
+    s = stub(services)
+    prompts = (sample_prompts(model_dir, n=8) * 5)[:40]
+    prompts = [p[:40] for p in prompts]
+    expected = [o.token_ids for o in offline.generate(prompts[1::2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))]
+    before = s.GetStats(pb.StatsRequest())
+    calls = [s.Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=60, ignore_eos=True))) for p in prompts]
+    results: dict[int, list[int]] = {}
+
+    def consume(i):
+        call = calls[i]
+        got = []
+        try:
+            for r in call:
+                got.extend(r.token_ids)
+                if i % 2 == 0 and len(got) >= 3:
+                    call.cancel()
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.CANCELLED and i % 2 == 0
+        results[i] = got
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results[i] for i in range(1, 40, 2)] == expected
+    assert all(len(results[i]) < 60 for i in range(0, 40, 2))
+    stats = assert_all_blocks_free(services)
+    assert stats.num_requests_aborted - before.num_requests_aborted == 20
+
+
+def test_deadline_is_honoured_and_frees_blocks(services):
+    s = stub(services)
+    with pytest.raises(grpc.RpcError) as err:
+        list(s.Generate(pb.GenerateRequest(prompt="The", sampling=sampling(max_tokens=250, ignore_eos=True)), timeout=0.3))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_all_blocks_free(services)
+
+
+def test_queue_bound_gives_resource_exhausted(model_dir, tmp_path):
+    worker, worker_addr = start_worker(model_dir, tmp_path, extra=["--block-size", "4", "--num-kv-blocks", "200"])
+    sched, addr = start_scheduler(worker_addr, tmp_path, extra=["--max-num-seqs", "1", "--max-queued-requests", "2"])
+    try:
+        s = stub(addr)
+        req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling(max_tokens=120, ignore_eos=True))
+        first = s.Generate(req)
+        next(first)  # running now
+        queued = [s.Generate(req) for _ in range(2)]
+        wait_until(lambda: s.GetStats(pb.StatsRequest()).num_waiting == 2)
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.Generate(req))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(collect(first)[0]) == 119
+        assert all(len(collect(q)[0]) == 120 for q in queued)
+        assert s.GetStats(pb.StatsRequest()).num_requests_rejected == 1
+        assert_all_blocks_free(addr)
+    finally:
+        sched.stop()
+        worker.stop()
+
+
+def test_worker_death_gives_unavailable_then_recovers(model_dir, tmp_path):
+    port = free_port()
+    worker, worker_addr = start_worker(model_dir, tmp_path, port=port, extra=["--block-size", "4", "--num-kv-blocks", "300"])
+    sched, addr = start_scheduler(worker_addr, tmp_path)
+    try:
+        s = stub(addr)
+        req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling(max_tokens=250, ignore_eos=True))
+        calls = [s.Generate(req) for _ in range(4)]
+        for c in calls:
+            next(c)
+        t0 = time.monotonic()
+        worker.kill()
+        for c in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                list(c)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 5
+        wait_until(lambda: health_status(addr) == NOT_SERVING, timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.Generate(req))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        worker, _ = start_worker(model_dir, tmp_path, port=port, extra=["--block-size", "4", "--num-kv-blocks", "300"])
+        wait_until(lambda: health_status(addr) == SERVING, timeout=15)
+        ids, _, _ = collect(s.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling(max_tokens=5))))
+        assert len(ids) >= 1
+        assert_all_blocks_free(addr)
+    finally:
+        sched.stop()
+        worker.stop()
+
+
+def test_serve_answers_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
+    port = free_port()
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--num-kv-blocks", "100"], tmp_path / "serve.log")
+    try:
+        serve.wait_for_output("pagewire ready", timeout=90)
+        ids, text, _ = collect(stub(f"127.0.0.1:{port}").Generate(pb.GenerateRequest(prompt="The river ", sampling=sampling(max_tokens=8))))
+        assert ids and text
+        pgid = serve.proc.pid
+        serve.signal(signal.SIGTERM)
+        assert serve.proc.wait(20) == 0
+        out = serve.output()
+        assert "shutting down" in out and "stopped" in out
+        # no process left behind: the worker (its own session) is gone too
+        import subprocess
+
+        ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        assert f"--listen unix:" not in "\n".join(l for l in ps.splitlines() if str(model_dir) in l)
+    finally:
+        serve.kill()
+
+
+def test_generate_command_streams_text(services, offline):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pagewire.cli", "generate", "The river ", "--addr", services, "--max-tokens", "12", "--ignore-eos"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    expected = offline.generate("The river ", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert out.stdout == expected.text + "\n"

@@ -1,0 +1,154 @@
+"""The worker's gRPC service: ``Info`` and the long-lived ``Execute`` stream of step plans."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagewire import wire
+from pagewire.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("pagewire.worker")
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+SERVICE_NAME = "pagewire.v1.Worker"
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Applies step plans from one scheduler at a time. A new ``Execute`` stream means a
+    (re)connected scheduler with fresh block accounting, so per-sequence state starts empty;
+    a second concurrent stream is refused with FAILED_PRECONDITION."""
+
+    def __init__(self, runner, model_name: str, eos_token_ids: tuple[int, ...]):
+        self.runner = runner
+        self.model_name = model_name
+        self.eos_token_ids = eos_token_ids
+        self._stream_lock = threading.Lock()
+        self.num_steps = 0
+
+    def Info(self, request, context):
+        mc = self.runner.model_config
+        files = {}
+        for name in TOKENIZER_FILES:
+            path = Path(self.runner.model_dir) / name
+            if path.is_file():
+                files[name] = path.read_bytes()
+        return worker_pb2.InfoResponse(
+            model_name=self.model_name,
+            model_type=mc.model_type,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.runner.max_model_len,
+            block_size=self.runner.block_size,
+            num_kv_blocks=self.runner.num_kv_blocks,
+            eos_token_ids=list(self.eos_token_ids),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            num_layers=mc.num_layers,
+            hidden_size=mc.hidden_size,
+            tokenizer_files=files,
+        )
+
+    def Execute(self, request_iterator, context):
+        if not self._stream_lock.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is already connected")
+        try:
+            self.runner.reset()
+            log.info("scheduler connected (%s)", context.peer())
+            for plan_msg in request_iterator:
+                plan = wire.plan_from_pb(plan_msg)
+                try:
+                    result = self.runner.execute(plan)
+                except (KeyError, ValueError) as e:  # a plan that contradicts our state
+                    log.error("bad step plan %d: %s", plan.step_id, e)
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+                self.num_steps += 1
+                yield wire.result_to_pb(result)
+        finally:
+            self.runner.reset()
+            self._stream_lock.release()
+            log.info("scheduler disconnected")
+
+
+def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int, ...]):
+    """A started gRPC server for ``runner`` on ``listen`` (host:port or unix:PATH); returns
+    (server, bound port, health servicer)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+            # the scheduler pings every 2 s to notice a worker that stops answering
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
+    )
+    servicer = WorkerServicer(runner, model_name, eos_token_ids)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
+        raise OSError(f"cannot listen on {listen}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+def serve(args) -> int:
+    """``pagewire worker``: load the model, size the KV cache, serve until SIGINT/SIGTERM."""
+    import signal
+
+    from worker_svc.runner import ModelRunner, RunnerConfig
+    from worker_svc.weights import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    config = RunnerConfig(
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_bytes,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+    )
+    t0 = time.monotonic()
+    runner = args.runner_factory(model_dir, config) if getattr(args, "runner_factory", None) else ModelRunner(model_dir, config)
+    eos = tuple(runner.model_config.eos_token_ids)
+    server, port, health_servicer = build_server(runner, args.listen, args.served_model_name or model_dir.name, eos)
+    print(
+        f"pagewire worker ready on {args.listen} (port {port}): {model_dir.name}, "
+        f"{runner.num_kv_blocks} KV blocks x {runner.block_size} tokens, loaded in {time.monotonic() - t0:.1f}s",
+        flush=True,
+    )
+    stop = threading.Event()
+
+    def _on_signal(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=5).wait()
+    print("pagewire worker stopped", flush=True)
+    return 0
