@@ -51,6 +51,7 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, help="token budget of one step: prefill chunks + decodes (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most sequences running at once (default: %(default)s)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    g.add_argument("--no-overlap", action="store_true", help="wait for each step's result before sending the next plan (default: one plan in flight ahead)")
     g.add_argument("--max-queued-requests", type=int, default=1024, help="waiting requests beyond this get RESOURCE_EXHAUSTED (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to let running requests finish on SIGTERM (default: %(default)s)")
 

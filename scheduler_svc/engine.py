@@ -8,6 +8,7 @@ streamed text with stop strings applied. It never imports torch.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,6 +23,14 @@ from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 
 class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class PlanLink(Protocol):
+    """A worker that takes plans and returns results in order, possibly some steps behind."""
+
+    def send(self, plan: StepPlan) -> None: ...
+
+    def receive(self) -> StepResult: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +113,7 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self.num_finished = 0
         self.num_aborted = 0
+        self._in_flight: deque[int] = deque()  # step ids sent and not yet answered
 
     @property
     def max_model_len(self) -> int:
@@ -233,6 +243,32 @@ class EngineCore:
             return []
         return self.process_result(self.executor.execute(plan))
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def pipeline_step(self, link: PlanLink, max_in_flight: int = 2) -> list[RequestOutput]:
+        """Advance with up to ``max_in_flight`` plans sent ahead of their results.
+
+        With 2 (overlap), plan N+1 is built and sent before result N is read: its decodes use
+        the tokens step N samples, which the worker already holds, so the worker never waits for
+        a round trip. Stop conditions are then learned one step late; a token sampled past a
+        stop is dropped in ``update``. With 1, each plan waits for its result."""
+        sent = False
+        if len(self._in_flight) < max_in_flight:
+            plan = self.schedule()
+            if plan is not None:
+                link.send(plan)
+                self._in_flight.append(plan.step_id)
+                sent = True
+        if self._in_flight and (not sent or len(self._in_flight) >= max_in_flight):
+            result = link.receive()
+            expected = self._in_flight.popleft()
+            if result.step_id != expected:
+                raise RuntimeError(f"worker answered step {result.step_id}, expected {expected}")
+            return self.process_result(result)
+        return []
+
     def _make_output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         new_ids = seq.token_ids[seq.num_prompt_tokens + req.num_streamed_tokens :]
@@ -261,6 +297,7 @@ class EngineCore:
         """The worker was lost: forget all sequences and block accounting. Returns the ids of the
         requests that were in flight (the caller fails them)."""
         self.scheduler.reset()
+        self._in_flight.clear()
         lost = list(self._requests)
         self._requests.clear()
         self._by_seq.clear()

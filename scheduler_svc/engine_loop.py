@@ -42,6 +42,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
     max_model_len: int | None = None
+    # keep one plan in flight ahead of the worker (see _loop_once)
+    overlap: bool = True
 
 
 @dataclass(slots=True)
@@ -228,13 +230,14 @@ class EngineService:
 
     def _loop_once(self) -> None:
         engine = self.engine
-        self._drain_commands(block=not engine.has_unfinished())
-        plan = engine.schedule()
-        if plan is None:
-            return
-        result = self._link.execute(plan)
-        self.num_steps += 1
-        self._deliver(engine.process_result(result))
+        idle = not engine.has_unfinished() and not engine.num_in_flight
+        self._drain_commands(block=idle)
+        before = engine.num_in_flight
+        outputs = engine.pipeline_step(self._link, max_in_flight=2 if self.options.overlap else 1)
+        if engine.num_in_flight <= before:
+            self.num_steps += 1  # a result came back
+        if outputs:
+            self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -22,6 +22,7 @@ def options_from_args(args) -> EngineOptions:
         enable_prefix_caching=not args.no_prefix_cache,
         max_queued_requests=args.max_queued_requests,
         max_model_len=args.max_model_len,
+        overlap=not args.no_overlap,
     )
 
 

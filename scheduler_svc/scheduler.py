@@ -106,7 +106,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or self._ends_with_pending(seq):
                 i += 1
                 continue
             grown = self._grow(seq, seq.num_computed_tokens + num_new)
@@ -139,6 +139,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted while a step was in flight: wait for that token first
             allocation = self.allocator.allocate(seq.seq_id, seq.token_ids)
             if allocation is None:
                 break  # head of line waits for blocks; later arrivals do not overtake it
@@ -198,6 +200,16 @@ class Scheduler:
         return touched
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """A token still in flight already reaches max_tokens or the model length: computing
+        another would only be thrown away."""
+        if not seq.num_pending_tokens:
+            return False
+        return (
+            seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        )
 
     def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling

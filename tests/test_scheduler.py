@@ -264,3 +264,91 @@ def test_random_workload_with_aborts_balances_blocks():
     for rid, toks in expected.items():
         assert got[rid] == toks, rid
     assert_all_free(engine)
+
+
+# ---- one plan in flight (overlap) ---------------------------------------------------------
+
+
+class LaggingLink:
+    """Executes a plan only when its result is read: with two plans sent, the second was
+    built before the first ran, as with the real worker stream."""
+
+    def __init__(self, worker: FakeKVWorker):
+        self.worker = worker
+        self.sent = []
+
+    def send(self, plan):
+        self.sent.append(plan)
+
+    def receive(self):
+        result = self.worker.execute(self.sent.pop(0))
+        self.num_sampled = getattr(self, "num_sampled", 0) + len(result.token_ids)
+        return result
+
+
+def run_pipelined(engine, link, max_in_flight, requests, abort_after=None):
+    """requests: list of (prompt, params). Returns {request_id: (tokens, final output)}."""
+    got, finals = {}, {}
+    for i, (p, sp) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
+        got[f"r{i}"] = []
+    steps = 0
+    while engine.has_unfinished() or engine.num_in_flight:
+        for o in engine.pipeline_step(link, max_in_flight):
+            got[o.request_id].extend(o.token_ids)
+            if o.finished:
+                finals[o.request_id] = o
+        engine.allocator.check_integrity()
+        steps += 1
+        if abort_after and steps in abort_after:
+            for rid in abort_after[steps]:
+                engine.abort(rid)
+        assert steps < 10_000
+    return got, finals, steps
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_overlap_gives_identical_outputs_and_balanced_blocks(prefix):
+    prompts = make_prompts(12, seed=21, lengths=[1, 3, 8, 16, 17, 30, 45, 64, 5, 9, 12, 70])
+    ref = [reference_tokens(p, 20) for p in prompts]
+    stop_at = ref[3][6]
+    requests = [
+        (p, SamplingParams(temperature=0, max_tokens=5 + i, stop_token_ids=[stop_at] if i == 3 else []))
+        for i, p in enumerate(prompts)
+    ]
+    results = {}
+    for depth in (1, 2):
+        engine, worker = make_engine(num_blocks=40, block_size=4, budget=24, prefix=prefix)
+        link = LaggingLink(worker)
+        got, finals, steps = run_pipelined(engine, link, depth, requests)
+        assert_all_free(engine)
+        results[depth] = (got, {k: (v.finish_reason, v.usage) for k, v in finals.items()}, link.num_sampled)
+    assert results[1][0] == results[2][0]
+    assert results[1][1] == results[2][1]
+    for i, p in enumerate(prompts):
+        expected = reference_tokens(p, 5 + i)
+        if i == 3:
+            expected = expected[: expected.index(stop_at) + 1]
+        assert results[2][0][f"r{i}"] == expected
+    delivered = sum(len(t) for t in results[2][0].values())
+    assert results[1][2] == delivered  # without overlap nothing is computed in vain
+    # with overlap, max_tokens is foreseen; only the stop-token request costs one discarded token
+    assert results[2][2] == delivered + 1
+
+
+def test_overlap_preemption_and_aborts():
+    prompts = make_prompts(8, seed=4, lengths=[9, 14, 5, 20, 11, 7, 3, 16])
+    requests = [(p, SamplingParams(temperature=0, max_tokens=18)) for p in prompts]
+    engine, worker = make_engine(num_blocks=14, block_size=4, budget=16, prefix=True)
+    got, finals, _ = run_pipelined(engine, LaggingLink(worker), 2, requests, abort_after={6: ["r2"], 9: ["r5"]})
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(prompts):
+        if i in (2, 5):
+            assert f"r{i}" not in finals
+            assert got[f"r{i}"] == reference_tokens(p, 18)[: len(got[f"r{i}"])]
+        else:
+            assert got[f"r{i}"] == reference_tokens(p, 18)
+    assert_all_free(engine)
+    # the worker was told to drop every sequence it was given
+    dropped = {sid for plan in worker.plans for sid in plan.finished_seq_ids}
+    assert not set(worker.seqs) - dropped or not worker.seqs

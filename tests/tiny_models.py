@@ -289,10 +289,17 @@ def build_tiny_model(kind: str, out_dir: str | Path) -> Path:
 
     config = _make_config(kind, vocab_size, eos_id)
     # Fork the RNG so building a model never disturbs the caller's torch random state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TRAIN_SEED)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        final_loss = _train(model, ids, steps=TRAIN_STEPS, seed=TRAIN_SEED)
+    # One thread: as fast as two for these sizes, and steady when other work loads the machine
+    # (two OpenMP threads contending with another busy process slowed builds from 7 s to 50 s).
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(TRAIN_SEED)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            final_loss = _train(model, ids, steps=TRAIN_STEPS, seed=TRAIN_SEED)
+    finally:
+        torch.set_num_threads(num_threads)
 
     model.generation_config = GenerationConfig(
         do_sample=False,
@@ -354,6 +361,9 @@ def get_tiny_model(kind: str) -> Path:
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
             build_tiny_model(kind, tmp)
+            for f in tmp.iterdir():  # save_pretrained may leave 0600 files
+                if f.is_file():
+                    os.chmod(f, 0o644)
             try:
                 os.replace(tmp, final)
             except OSError:
@@ -393,10 +403,11 @@ def sample_prompts(
     """Deterministic prompts as token-id lists, with lengths spread from 1 to 120 tokens.
 
     With the default ``n=8`` the lengths are 1, 3, 9, 17, 33, 50, 77, 120; other ``n`` spread
-    ``n`` lengths from 1 to 120 (or pass ``lengths``). Most prompts are windows of
-    :data:`FIXED_TEXT` (the model knows what comes next); every ``off_distribution_every``-th
-    prompt (index 2, 5, ...) is a window of text the model never saw (code, JSON, other
-    scripts). Windows start at random (seeded) token offsets, so they may begin mid-word.
+    ``n`` lengths from 1 to 120 (``lengths``, if given, overrides ``n``). Most prompts are
+    windows of :data:`FIXED_TEXT` (the model knows what comes next); every
+    ``off_distribution_every``-th prompt (index 2, 5, ...) is a window of text the model never
+    saw (code, JSON, other scripts). Windows start at random (seeded) token offsets, so they
+    may begin mid-word.
     """
     from tokenizers import Tokenizer
 
@@ -405,7 +416,6 @@ def sample_prompts(
     off_ids = tok.encode(_OFF_DISTRIBUTION_TEXT).ids
     if lengths is None:
         lengths = _DEFAULT_PROMPT_LENGTHS if n == len(_DEFAULT_PROMPT_LENGTHS) else _spread_lengths(n, 120)
-    lengths = list(lengths)[:n] if len(lengths) >= n else list(lengths)
     rng = random.Random(seed)
     prompts = []
     for i, length in enumerate(lengths):
