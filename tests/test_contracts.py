@@ -1,0 +1,90 @@
+"""Contracts that must not drift: generated stubs, the proto surface, the import graph."""
+
+from __future__ import annotations
+
+import filecmp
+import subprocess
+import sys
+
+from pagewire import protogen
+from tests.service_utils import REPO
+
+
+def test_stubs_are_current(tmp_path):
+    """The stubs in pagewire/v1 are exactly what protoc generates from protos/ now."""
+    generated = protogen.generate(tmp_path)
+    for fresh in generated:
+        in_tree = REPO / fresh.relative_to(tmp_path)
+        assert in_tree.exists(), f"{in_tree} missing: run make protos"
+        assert filecmp.cmp(fresh, in_tree, shallow=False), f"{in_tree} is stale: run make protos"
+
+
+def test_stale_stubs_are_regenerated_on_import(tmp_path):
+    """A .proto newer than its stubs makes `import pagewire.v1` regenerate them."""
+    import os
+    import time
+
+    stub = REPO / "pagewire/v1/generation_pb2.py"
+    old = time.time() - 3600
+    os.utime(stub, (old, old))
+    assert protogen.is_stale()
+    out = subprocess.run([sys.executable, "-c", "import pagewire.v1"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert not protogen.is_stale()
+    assert stub.stat().st_mtime > old + 60
+
+
+def test_public_contract_names():
+    from pagewire.v1 import generation_pb2 as pb
+    from pagewire.v1 import worker_pb2 as wpb
+
+    gen = pb.DESCRIPTOR.services_by_name["Generation"]
+    assert {m.name for m in gen.methods} >= {"Generate", "Chat", "GetModelInfo", "GetStats"}
+    assert gen.methods_by_name["Generate"].server_streaming
+    assert pb.DESCRIPTOR.package == "pagewire.v1"
+    fields = lambda msg: set(msg.DESCRIPTOR.fields_by_name)  # noqa: E731
+    assert fields(pb.GenerateRequest) >= {"request_id", "prompt", "prompt_token_ids", "sampling"}
+    assert fields(pb.SamplingParams) >= {
+        "temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+    }
+    assert fields(pb.GenerateResponse) >= {"token_ids", "text", "finish_reason", "usage", "logprobs"}
+    assert fields(pb.Usage) == {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"}
+    assert fields(pb.Stats) >= {
+        "num_total_blocks", "num_free_blocks", "num_running", "num_waiting",
+        "num_requests_finished", "num_requests_aborted", "num_requests_rejected",
+    }
+    assert [v.name for v in pb.FinishReason.DESCRIPTOR.values] == ["UNSPECIFIED", "STOP", "LENGTH"]
+    worker = wpb.DESCRIPTOR.services_by_name["Worker"]
+    execute = worker.methods_by_name["Execute"]
+    assert execute.client_streaming and execute.server_streaming
+    assert "Info" in worker.methods_by_name
+
+
+def test_scheduler_never_imports_torch():
+    code = (
+        "import sys\n"
+        "import scheduler_svc.server, scheduler_svc.main, scheduler_svc.engine_loop, scheduler_svc.engine\n"
+        "import pagewire, pagewire.cli, pagewire.client, pagewire.wire\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+        "assert not any(m.startswith('worker_svc') for m in sys.modules), 'worker_svc was imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_services_do_not_import_each_other():
+    for package, other in (("scheduler_svc", "worker_svc"), ("worker_svc", "scheduler_svc")):
+        for path in (REPO / package).rglob("*.py"):
+            text = path.read_text()
+            assert f"from {other}" not in text and f"import {other}" not in text, f"{path} imports {other}"
+
+
+def test_cli_help_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "pagewire.cli", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0
+    for command in ("serve", "worker", "scheduler", "generate"):
+        assert command in out.stdout
+    out = subprocess.run([sys.executable, "-m", "pagewire.cli", "serve", "--help"], cwd=REPO, capture_output=True, text=True)
+    for flag in ("--model", "--listen", "--block-size", "--max-num-batched-tokens", "--no-prefix-cache", "--no-overlap"):
+        assert flag in out.stdout

@@ -1,0 +1,81 @@
+"""Scheduler-side tokenizer, chat template and incremental detokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return Tokenizer(tiny_model_dir("llama-gqa"))
+
+
+def stream(tok: Tokenizer, prompt: list[int], output: list[int], stop=()) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer.for_prompt(tok, len(prompt), stop)
+    ids = list(prompt)
+    deltas = []
+    for i, t in enumerate(output):
+        ids.append(t)
+        deltas.append(detok.update(ids, is_final=i == len(output) - 1))
+    return deltas, detok
+
+
+def test_multibyte_characters_split_across_tokens(tok):
+    text = "héllo wörld — 日本語 🙂!"
+    ids = tok.encode(text)
+    prompt = tok.encode("Say: ")
+    deltas, _ = stream(tok, prompt, ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_single_byte_tokens_hold_back_incomplete_characters(tok):
+    # force one token per byte through the byte-level alphabet
+    vocab = tok._tok.get_vocab()
+    from tokenizers import pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_sym = _bytes_to_unicode()
+    text = "日本 🙂"
+    ids = [vocab[byte_to_sym[b]] for b in text.encode()]
+    assert all(byte_to_sym[b] in alphabet for b in text.encode())
+    deltas, _ = stream(tok, [5, 6], ids)
+    assert "".join(deltas) == text
+    assert deltas[0] == "" and deltas[1] == "" and deltas[2] == "日"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-to-symbol table used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def test_stop_string_is_cut_and_held_back(tok):
+    ids = tok.encode("the cat sat on the mat. END and more")
+    deltas, detok = stream(tok, [5], ids, stop=("END",))
+    assert "".join(deltas) == "the cat sat on the mat. "
+    assert detok.stopped
+    # nothing after the stop string was ever emitted, even partially
+    assert all("E" not in d for d in deltas)
+
+
+def test_text_that_only_looks_like_a_stop_prefix_is_released(tok):
+    ids = tok.encode("an ENDless story")
+    deltas, detok = stream(tok, [5], ids, stop=("END.",))
+    assert "".join(deltas) == "an ENDless story" and not detok.stopped
+
+
+def test_chat_template(tok):
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "<|im_start|>user\nhi<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="role"):
+        tok.apply_chat_template([{"content": "x"}])
