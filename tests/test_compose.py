@@ -16,6 +16,24 @@ from pagewire.v1 import generation_pb2 as pb
 from tests.service_utils import REPO, Proc, free_port, sampling, stub
 
 COMPOSE = REPO / "docker-compose.yml"
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Photosynthesis is the process by which",
+    "The three primary colors are",
+    "In 1969, Neil Armstrong",
+    "A haiku about autumn:",
+    "The quick brown fox",
+    "To make a cup of tea, first",
+    "Water boils at",
+    "The largest planet in the solar system is",
+    "import numpy as np\n",
+    "Once upon a time",
+    "The French word for cat is",
+    "Machine learning is",
+    "The opposite of hot is",
+    "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 def compose() -> dict:
@@ -54,6 +72,14 @@ def _localize(command: list[str], ports: dict[str, int]) -> list[str]:
     return out
 
 
+def _run_healthcheck(test: list[str], ports: dict[str, int]) -> int:
+    """Run a compose healthcheck (["CMD", "python", ...]) against the loopback ports."""
+    assert test[0] == "CMD"
+    argv = [sys.executable if a == "python" else a for a in test[1:]]
+    argv = [f"127.0.0.1:{ports[a.rsplit(':', 1)[1]]}" if a.startswith("127.0.0.1:") else a for a in argv]
+    return subprocess.run(argv, cwd=REPO).returncode
+
+
 @pytest.mark.slow
 def test_compose_commands_run_as_processes(tmp_path, smollm2_dir):
     doc = compose()
@@ -62,20 +88,32 @@ def test_compose_commands_run_as_processes(tmp_path, smollm2_dir):
     worker = Proc(_localize(worker_cmd, ports), tmp_path / "worker.log")
     scheduler = None
     try:
-        health = _localize(doc["services"]["worker"]["healthcheck"]["test"][1:], {"50052": ports["50052"]} | {})
-        health = [a.replace("127.0.0.1:50052", f"127.0.0.1:{ports['50052']}") for a in health]
         worker.wait_for_output("worker ready", timeout=180)
-        assert subprocess.run([sys.executable if h == "python" else h for h in health], cwd=REPO).returncode == 0
+        assert _run_healthcheck(doc["services"]["worker"]["healthcheck"]["test"], ports) == 0
         scheduler = Proc(_localize(sched_cmd, ports), tmp_path / "scheduler.log")
         scheduler.wait_for_output("scheduler ready", timeout=60)
-        s_health = [a.replace("127.0.0.1:50051", f"127.0.0.1:{ports['50051']}") for a in doc["services"]["scheduler"]["healthcheck"]["test"][1:]]
-        assert subprocess.run([sys.executable if h == "python" else h for h in s_health], cwd=REPO).returncode == 0
-        responses = list(
-            stub(f"127.0.0.1:{ports['50051']}").Generate(
-                pb.GenerateRequest(prompt="The capital of France is", sampling=sampling(max_tokens=8)), timeout=60
-            )
-        )
-        assert "".join(r.text for r in responses).strip()
+        assert _run_healthcheck(doc["services"]["scheduler"]["healthcheck"]["test"], ports) == 0
+        # SmolLM2 over gRPC, 16 concurrent streams: equal to the offline API and to transformers
+        from concurrent.futures import ThreadPoolExecutor
+
+        from pagewire import LLM, SamplingParams
+        from tests.test_parity import hf_greedy
+
+        s = stub(f"127.0.0.1:{ports['50051']}")
+
+        def one(text):
+            responses = list(s.Generate(pb.GenerateRequest(prompt=text, sampling=sampling(max_tokens=16)), timeout=120))
+            return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses)
+
+        with ThreadPoolExecutor(16) as pool:
+            streamed = list(pool.map(one, SMOLLM2_PROMPTS))
+        llm = LLM(None)
+        offline = llm.generate(SMOLLM2_PROMPTS, SamplingParams(temperature=0, max_tokens=16))
+        assert [ids for ids, _ in streamed] == [o.token_ids for o in offline]
+        assert [text for _, text in streamed] == [o.text for o in offline]
+        eos = set(llm.engine.worker_info.eos_token_ids)
+        for text, (ids, _) in list(zip(SMOLLM2_PROMPTS, streamed))[:4]:
+            assert ids == hf_greedy(smollm2_dir, llm.tokenizer.encode(text), 16, eos)[0]
     finally:
         if scheduler:
             scheduler.stop()
