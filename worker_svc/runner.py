@@ -19,7 +19,9 @@ import torch
 from kvcache.paged import AttentionMetadata, PagedKVCache
 from pagewire.plan import StepPlan, StepResult
 from pagewire.sampling import SamplingParams
+from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
+from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.sampler import Sampler, SamplingBatch
 from worker_svc.weights import load_model
 
@@ -61,6 +63,8 @@ class RunnerConfig:
     dtype: str = "float32"
     device: str | None = None  # None: cuda if available, else cpu
     max_model_len: int | None = None  # None: the model's own
+    # CPU only: prepack linear weights for oneDNN (layers/cpu_linear.py)
+    cpu_packed_linear: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -76,10 +80,11 @@ class RunnerConfig:
 
 @dataclass(slots=True)
 class _SeqState:
-    """What the worker keeps per sequence between steps."""
+    """What the worker keeps per sequence between steps; its block table is row ``row`` of
+    ``ModelRunner.block_tables``."""
 
     token_ids: list[int]
-    block_ids: list[int]
+    row: int
     num_computed_tokens: int
     sampling: SamplingParams
 
@@ -103,6 +108,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = parse_dtype(config.dtype)
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
+        if self.device.type == "cpu" and config.cpu_packed_linear:
+            pack_linears_for_cpu(self.model)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         num_blocks = config.num_kv_blocks
@@ -117,6 +124,7 @@ class ModelRunner:
             mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
         self.block_size = config.block_size
+        self.block_tables = BlockTables(-(-self.max_model_len // config.block_size), self.device)
         self.sampler = Sampler(self.device)
         self._seqs: dict[int, _SeqState] = {}
         self.num_block_copies = 0
@@ -141,6 +149,8 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Drop all per-sequence state (the scheduler reconnected and starts from scratch)."""
+        for state in self._seqs.values():
+            self.block_tables.release(state.row)
         self._seqs.clear()
 
     # ---- one step -----------------------------------------------------------------------
@@ -175,12 +185,17 @@ class ModelRunner:
         return result
 
     def _apply_plan(self, plan: StepPlan) -> None:
+        tables = self.block_tables
         for seq_id in plan.finished_seq_ids:
-            self._seqs.pop(seq_id, None)
+            state = self._seqs.pop(seq_id, None)
+            if state is not None:
+                tables.release(state.row)
         for new in plan.new_seqs:
+            if new.seq_id in self._seqs:
+                raise ValueError(f"step {plan.step_id}: sequence {new.seq_id} is already known to this worker")
             self._seqs[new.seq_id] = _SeqState(
                 token_ids=list(new.token_ids),
-                block_ids=list(new.block_ids),
+                row=tables.add(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
             )
@@ -189,8 +204,8 @@ class ModelRunner:
             if state is None:
                 raise KeyError(f"step {plan.step_id}: sequence {diff.seq_id} is not known to this worker")
             if diff.block_ids:
-                del state.block_ids[diff.block_table_start :]
-                state.block_ids.extend(diff.block_ids)
+                tables.set(state.row, diff.block_table_start, diff.block_ids)
+        tables.sync()
         if plan.block_copies:
             self.kv_cache.copy_blocks(plan.block_copies)
             self.num_block_copies += len(plan.block_copies)
@@ -213,11 +228,13 @@ class ModelRunner:
         query_lens = np.asarray(num_new, dtype=np.int64)
         starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
         seq_lens = starts + query_lens
-        for state, n, end in zip(states, num_new, seq_lens.tolist()):
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_seqs)
+        num_blocks = self.block_tables.num_blocks[rows]
+        for state, end in zip(states, seq_lens.tolist()):
             if end > len(state.token_ids):
                 raise ValueError(f"step {plan.step_id}: scheduled past the known tokens of a sequence")
-            if end > len(state.block_ids) * block_size:
-                raise ValueError(f"step {plan.step_id}: a sequence has too few blocks for its tokens")
+        if (seq_lens > num_blocks * block_size).any():
+            raise ValueError(f"step {plan.step_id}: a sequence has too few blocks for its tokens")
 
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
@@ -230,11 +247,8 @@ class ModelRunner:
             dtype=np.int64,
             count=num_tokens,
         )
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, state in enumerate(states):
-            block_table[i, : len(state.block_ids)] = state.block_ids
-        slot_mapping = block_table[seq_index, positions // block_size] * block_size + positions % block_size
+        host_table = self.block_tables.host
+        slot_mapping = host_table[rows[seq_index], positions // block_size].astype(np.int64) * block_size + positions % block_size
 
         sampled = [i for i, (state, end) in enumerate(zip(states, seq_lens.tolist())) if end == len(state.token_ids)]
         logits_indices = cu[1:][sampled] - 1
@@ -244,7 +258,7 @@ class ModelRunner:
             slot_mapping=_to_device(slot_mapping, torch.int64, dev),
             query_start_loc=_to_device(cu, torch.int32, dev),
             seq_lens=_to_device(seq_lens, torch.int32, dev),
-            block_tables=_to_device(block_table, torch.int32, dev),
+            block_tables=self.block_tables.gather(rows, int(num_blocks.max())),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_lens_cpu=query_lens.tolist(),

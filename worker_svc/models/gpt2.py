@@ -70,6 +70,8 @@ class GPT2LMHeadModel(nn.Module):
         self.config = config
         self.transformer = GPT2Model(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # set by layers.cpu_linear.pack_linears_for_cpu for tied embeddings on CPU
+        self.packed_lm_head: nn.Module | None = None
 
     def forward(
         self,
@@ -86,8 +88,14 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32."""
-        weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.transformer.wte.weight).float()
+
+    def tied_lm_head_weight(self) -> torch.Tensor:
+        return self.transformer.wte.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors (with or without the ``transformer.`` prefix)."""

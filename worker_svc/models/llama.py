@@ -105,6 +105,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # Tied embeddings: logits use embed_tokens.weight directly (no second parameter to keep tied).
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # set by layers.cpu_linear.pack_linears_for_cpu for tied embeddings on CPU
+        self.packed_lm_head: nn.Module | None = None
 
     def forward(
         self,
@@ -123,8 +125,14 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def tied_lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors; raises ValueError on missing or unexpected weights."""
