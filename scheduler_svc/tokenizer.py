@@ -6,8 +6,9 @@ starts fast and never imports torch.
 
 from __future__ import annotations
 
+import codecs
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
@@ -53,6 +54,7 @@ class Tokenizer:
         self.special_token_ids = frozenset(
             tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special
         )
+        self.token_bytes: list[bytes] | None = _byte_level_table(self._tok, self.special_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -81,6 +83,40 @@ class Tokenizer:
         )
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte <-> printable character table of byte-level BPE (GPT-2's)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _byte_level_table(tok: _HFTokenizer, special_ids: frozenset[int]) -> list[bytes] | None:
+    """Each token id's raw bytes (b"" for special tokens, which decoding skips), when the
+    tokenizer decodes by plain byte-level mapping; None otherwise (then the generic path runs)."""
+    spec = json.loads(tok.to_str())
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        return None
+    char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    table: list[bytes] = [b""] * tok.get_vocab_size(with_added_tokens=True)
+    for token, tid in tok.get_vocab(with_added_tokens=True).items():
+        if tid >= len(table):
+            return None
+        if tid in special_ids:
+            continue
+        try:
+            table[tid] = bytes(char_to_byte[c] for c in token)
+        except KeyError:  # a token outside the byte alphabet (an unusual added token)
+            return None
+    return table
+
+
 def _raise_template_error(message: str):
     raise ValueError(f"chat template error: {message}")
 
@@ -89,10 +125,12 @@ def _raise_template_error(message: str):
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    Decodes a short window of already-emitted tokens plus the new ones and emits only the
-    suffix, so byte-level tokens that split a multi-byte character are held back until the
-    character is complete (a trailing U+FFFD means "not yet"). Text that might be the start of
-    a stop string is held back too, and a completed stop string is cut with all that follows.
+    Byte-level tokenizers take the fast path: each new token's bytes go through an incremental
+    UTF-8 decoder, which holds back a character split across tokens until it is complete
+    (``decode`` of the whole list gives the same text). Other tokenizers decode a short window
+    of already-emitted tokens plus the new ones and emit the suffix, holding back a trailing
+    U+FFFD ("not yet"). Text that might be the start of a stop string is held back too, and a
+    completed stop string is cut with all that follows.
     """
 
     tokenizer: Tokenizer
@@ -102,33 +140,46 @@ class IncrementalDetokenizer:
     text: str = ""  # all output text decoded so far (stop string not cut yet)
     num_emitted_chars: int = 0
     stopped: bool = False
+    _utf8: codecs.IncrementalDecoder | None = field(default=None, repr=False)
 
     @classmethod
     def for_prompt(cls, tokenizer: Tokenizer, num_prompt_tokens: int, stop: tuple[str, ...] = ()):
         # a few prompt tokens of context make the first output tokens decode as they will in full
-        return cls(tokenizer, max(num_prompt_tokens - 5, 0), num_prompt_tokens, tuple(stop))
+        detok = cls(tokenizer, max(num_prompt_tokens - 5, 0), num_prompt_tokens, tuple(stop))
+        if tokenizer.token_bytes is not None:
+            detok._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return detok
 
     def update(self, token_ids: list[int], is_final: bool) -> str:
         """Feed the full token list after new tokens arrived; return the text to stream now."""
         if self.stopped:
             return ""
-        prefix_text = self.tokenizer.decode(token_ids[self.prefix_offset : self.read_offset])
-        new_text = self.tokenizer.decode(token_ids[self.prefix_offset :])
-        if len(new_text) > len(prefix_text) and (is_final or not new_text.endswith("\ufffd")):
-            self.text += new_text[len(prefix_text) :]
-            self.prefix_offset = self.read_offset
+        if self._utf8 is not None:
+            table = self.tokenizer.token_bytes
+            new_bytes = b"".join([table[t] for t in token_ids[self.read_offset :]])
             self.read_offset = len(token_ids)
+            self.text += self._utf8.decode(new_bytes, final=is_final)
+        else:
+            prefix_text = self.tokenizer.decode(token_ids[self.prefix_offset : self.read_offset])
+            new_text = self.tokenizer.decode(token_ids[self.prefix_offset :])
+            if len(new_text) > len(prefix_text) and (is_final or not new_text.endswith("\ufffd")):
+                self.text += new_text[len(prefix_text) :]
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(token_ids)
+        if not self.stop:
+            delta = self.text[self.num_emitted_chars :]
+            self.num_emitted_chars = len(self.text)
+            return delta
         emit_upto = len(self.text)
-        if self.stop:
-            start = max(self.num_emitted_chars - max(len(s) for s in self.stop), 0)
-            hit = min((p for p in (self.text.find(s, start) for s in self.stop) if p >= 0), default=-1)
-            if hit >= 0:
-                self.stopped = True
-                self.text = self.text[:hit]
-                emit_upto = hit
-            elif not is_final:
-                # hold back a tail that could still grow into a stop string
-                emit_upto = len(self.text) - _longest_stop_prefix_suffix(self.text, self.stop)
+        start = max(self.num_emitted_chars - max(len(s) for s in self.stop), 0)
+        hit = min((p for p in (self.text.find(s, start) for s in self.stop) if p >= 0), default=-1)
+        if hit >= 0:
+            self.stopped = True
+            self.text = self.text[:hit]
+            emit_upto = hit
+        elif not is_final:
+            # hold back a tail that could still grow into a stop string
+            emit_upto = len(self.text) - _longest_stop_prefix_suffix(self.text, self.stop)
         emit_upto = max(emit_upto, self.num_emitted_chars)
         delta = self.text[self.num_emitted_chars : emit_upto]
         self.num_emitted_chars = emit_upto

@@ -79,3 +79,19 @@ def test_chat_template(tok):
     assert "<|im_start|>user\nhi<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="role"):
         tok.apply_chat_template([{"content": "x"}])
+
+
+def test_byte_level_fast_path_equals_generic_decode(tok, tiny_model_dir):
+    """The byte table path and the decode-window path give identical deltas, including for
+    random token soup (invalid UTF-8 and special tokens mixed in)."""
+    import random
+
+    assert tok.token_bytes is not None
+    generic = Tokenizer(tiny_model_dir("llama-gqa"))
+    generic.token_bytes = None
+    rng = random.Random(7)
+    for trial in range(30):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
+        fast, _ = stream(tok, [5, 6, 7], ids)
+        slow, _ = stream(generic, [5, 6, 7], ids)
+        assert "".join(fast) == tok.decode(ids) == "".join(slow), ids
