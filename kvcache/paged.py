@@ -6,7 +6,10 @@ applies what a step plan says. A token's K/V lives at a *slot*: ``block_id * blo
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +110,11 @@ def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     """Batched append: key/value [T, Hkv, D] into their slots with one scatter for the layer.
 
     No per-sequence loop: a token that rolls over into a new block is just a slot in that block.
+    Slots must be valid here; the Triton kernel (CUDA, or forced by PAGEWIRE_ATTENTION_BACKEND=triton)
+    also skips negative slots, which padded (CUDA-graph) batches use for their padding tokens.
     """
+    if _use_triton(kv_layer):
+        return _triton_kernels().write_kv(kv_layer, key, value, slot_mapping)
     num_kv_heads, head_dim = kv_layer.shape[-2], kv_layer.shape[-1]
     flat = kv_layer.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, Hkv, D]
     flat.index_copy_(1, slot_mapping, torch.stack((key, value)).to(kv_layer.dtype))
@@ -116,10 +123,54 @@ def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, H, D] -> out [T, H, D] over the paged cache (H a multiple of Hkv).
 
-    The dispatch point: a fused kernel with the same signature can take over for some devices;
-    the torch reference is the path everywhere else.
+    The dispatch point: the Triton kernel on CUDA (see ``attention_backend``), the torch reference
+    everywhere else.
     """
+    if _use_triton(query):
+        return _triton_kernels().paged_attention(query, kv_layer, meta, scale)
     return paged_attention_ref(query, kv_layer, meta, scale)
+
+
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.cache
+def attention_backend() -> str:
+    """PAGEWIRE_ATTENTION_BACKEND, read once: ``auto`` (default: Triton kernels for CUDA tensors when
+    Triton imports, else the torch reference), ``torch`` (always the reference) or ``triton`` (always
+    the kernels; on CPU tensors they run under Triton's interpreter, which must be switched on with
+    TRITON_INTERPRET=1 before triton is imported; this is how tests exercise the dispatch).
+    Tests that change the variable call ``attention_backend.cache_clear()``."""
+    backend = os.environ.get("PAGEWIRE_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in _ATTENTION_BACKENDS:
+        raise ValueError(f"PAGEWIRE_ATTENTION_BACKEND={backend!r}; choose one of {', '.join(_ATTENTION_BACKENDS)}")
+    return backend
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    backend = attention_backend()
+    if backend == "auto":
+        return tensor.is_cuda and _triton_kernels() is not None
+    return backend == "triton"
+
+
+class _TritonKernels(NamedTuple):
+    paged_attention: Callable[..., torch.Tensor]
+    write_kv: Callable[..., None]
+
+
+@functools.cache
+def _triton_kernels() -> _TritonKernels | None:
+    """The Triton kernels, or None when Triton does not import (``auto`` then keeps the reference;
+    a forced ``triton`` backend re-raises the ImportError)."""
+    try:
+        from kvcache.triton_append import write_kv_triton
+        from kvcache.triton_attention import paged_attention_triton
+    except ImportError:
+        if attention_backend() == "triton":
+            raise
+        return None
+    return _TritonKernels(paged_attention_triton, write_kv_triton)
 
 
 # Bound on gathered key positions per decode group ([S_group, max_len]), so that the padded gather of a

@@ -1,0 +1,191 @@
+"""Paged-attention decode bandwidth: the Triton kernel (and the torch reference) on one CUDA GPU.
+
+    python benchmarks/attention_bandwidth.py [--batch 64] [--context 2048] [--block-size 16]
+        [--dtype bfloat16] [--models smollm2 gpt2] [--num-splits auto 1] [--peak-gbps GB/s]
+
+A decode step of --batch sequences, each with one query and --context keys, in one layer's paged
+cache of --block-size token blocks laid out in random block order (as after a while of serving).
+Shapes: smollm2 = SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64), gpt2 = GPT-2 small
+(12 / 12 / 64). The kernel is timed with CUDA events over a CUDA graph of back-to-back calls, so the
+number is GPU time, not Python launch cost; --num-splits times the key-split heuristic ("auto") and
+fixed split counts. Bytes moved = K and V of every context token + the queries and outputs (the block
+table is ignored: 4 bytes per block). Achieved bandwidth is reported as GB/s and as a fraction of
+--peak-gbps, which defaults by GPU name (H100 SXM 3350, H100 PCIe 2000, H200 4800, ...). The torch
+reference (the CPU production path) runs eagerly, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+MODELS = {  # name: (num_heads, num_kv_heads, head_dim)
+    "smollm2": (9, 3, 64),
+    "gpt2": (12, 12, 64),
+}
+
+# Peak DRAM bandwidth in GB/s by a substring of torch.cuda.get_device_name(); first match wins.
+PEAK_GBPS = [
+    ("H100 PCIe", 2000.0),
+    ("H100 NVL", 3900.0),
+    ("H100", 3350.0),  # SXM
+    ("H200", 4800.0),
+    ("GH200", 4000.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+    ("L40S", 864.0),
+    ("L4", 300.0),
+]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def default_peak_gbps(device_name: str) -> float | None:
+    for key, gbps in PEAK_GBPS:
+        if key in device_name:
+            return gbps
+    return None
+
+
+def make_decode_batch(batch: int, context: int, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
+    """query [batch, H, D], kv_layer [2, N, block_size, Hkv, D] and metadata for one decode step."""
+    from kvcache.paged import AttentionMetadata
+
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq + 1  # block 0 pads table rows
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    order = torch.randperm(num_blocks - 1, generator=generator) + 1
+    block_tables = order.view(batch, blocks_per_seq).to(torch.int32)  # [batch, blocks_per_seq]
+    kv_layer = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), device=device, dtype=dtype)
+    query = torch.randn((batch, num_heads, head_dim), device=device, dtype=dtype)
+    positions = torch.full((batch,), context - 1, dtype=torch.int64)
+    slots = block_tables[torch.arange(batch), positions // block_size].long() * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32).to(device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32).to(device),
+        block_tables=block_tables.to(device),
+        max_query_len=1,
+        max_seq_len=context,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=[context] * batch,
+        logits_indices=torch.arange(batch, dtype=torch.int64).to(device),
+    )
+    return query, kv_layer, meta
+
+
+def time_graph(fn, calls_per_graph: int, replays: int) -> float:
+    """Seconds per call of ``fn`` (GPU time): a CUDA graph of back-to-back calls, replayed, timed with events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and warm up outside the graph
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * calls_per_graph)
+
+
+def time_eager(fn, iters: int) -> float:
+    """Seconds per call of ``fn`` run eagerly (includes host work the call waits for)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64, help="decoding sequences (default 64)")
+    ap.add_argument("--context", type=int, default=2048, help="keys per sequence (default 2048)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block (default 16)")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="cache and query dtype (default bfloat16)")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="head shapes to time (default: all)")
+    ap.add_argument(
+        "--num-splits", nargs="+", default=["auto", "1"],
+        help="key splits to time: 'auto' (the heuristic) and/or fixed counts (default: auto 1)",
+    )
+    ap.add_argument("--peak-gbps", type=float, default=None, help="peak memory bandwidth in GB/s (default: by GPU name)")
+    ap.add_argument("--calls-per-graph", type=int, default=20, help="kernel calls captured in one CUDA graph (default 20)")
+    ap.add_argument("--replays", type=int, default=20, help="timed graph replays (default 20)")
+    ap.add_argument("--ref-iters", type=int, default=5, help="timed calls of the torch reference; 0 skips it (default 5)")
+    args = ap.parse_args()
+
+    if not torch.cuda.is_available():
+        print("attention_bandwidth: no CUDA device found; this benchmark times GPU kernels, run it on a GPU machine.", file=sys.stderr)
+        return 1
+    try:
+        from kvcache.triton_attention import paged_attention_triton, plan_launch
+    except ImportError as exc:
+        print(f"attention_bandwidth: Triton is not importable ({exc}); install the 'triton' extra.", file=sys.stderr)
+        return 1
+    from kvcache.paged import paged_attention_ref
+
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    peak = args.peak_gbps or default_peak_gbps(name)
+    dtype = DTYPES[args.dtype]
+    print(f"{name}; peak {f'{peak:.0f} GB/s' if peak else 'unknown (pass --peak-gbps)'}; {args.dtype}, "
+          f"batch {args.batch} x {args.context} keys decode, block size {args.block_size}")
+    print(f"{'model':8} {'H/Hkv/D':>9} {'kernel':>17} {'us/call':>9} {'GB/s':>8} {'of peak':>8} {'max err':>9}")
+
+    for model in args.models:
+        num_heads, num_kv_heads, head_dim = MODELS[model]
+        query, kv_layer, meta = make_decode_batch(
+            args.batch, args.context, args.block_size, num_heads, num_kv_heads, head_dim, dtype, device
+        )
+        element = query.element_size()
+        moved = (2 * args.batch * args.context * num_kv_heads * head_dim + 2 * query.numel()) * element
+        scale = head_dim**-0.5
+        expected = paged_attention_ref(query.float(), kv_layer.float(), meta, scale)
+        shape = f"{num_heads}/{num_kv_heads}/{head_dim}"
+
+        def report(label: str, seconds: float, out: torch.Tensor) -> None:
+            gbps = moved / seconds / 1e9
+            fraction = f"{gbps / peak:8.1%}" if peak else f"{'-':>8}"
+            error = (out.float() - expected).abs().max().item()
+            print(f"{model:8} {shape:>9} {label:>17} {seconds * 1e6:9.1f} {gbps:8.0f} {fraction} {error:9.2e}")
+
+        for splits in args.num_splits:
+            num_splits = None if splits == "auto" else int(splits)
+            chosen = plan_launch(query, num_kv_heads, meta, num_splits).num_splits
+
+            def call(num_splits=num_splits):
+                return paged_attention_triton(query, kv_layer, meta, scale, num_splits=num_splits)
+
+            label = f"triton s={chosen}" + (" (auto)" if num_splits is None else "")
+            report(label, time_graph(call, args.calls_per_graph, args.replays), call())
+        if args.ref_iters > 0:
+
+            def call_ref():
+                return paged_attention_ref(query, kv_layer, meta, scale)
+
+            report("torch ref", time_eager(call_ref, args.ref_iters), call_ref())
+        del query, kv_layer, meta, expected
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
