@@ -7,12 +7,13 @@ applies what a step plan says. A token's K/V lives at a *slot*: ``block_id * blo
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from pagewire import envs
 
 
 @dataclass(slots=True)
@@ -141,7 +142,7 @@ def attention_backend() -> str:
     the kernels; on CPU tensors they run under Triton's interpreter, which must be switched on with
     TRITON_INTERPRET=1 before triton is imported; this is how tests exercise the dispatch).
     Tests that change the variable call ``attention_backend.cache_clear()``."""
-    backend = os.environ.get("PAGEWIRE_ATTENTION_BACKEND", "auto").strip().lower() or "auto"
+    backend = envs.attention_backend()
     if backend not in _ATTENTION_BACKENDS:
         raise ValueError(f"PAGEWIRE_ATTENTION_BACKEND={backend!r}; choose one of {', '.join(_ATTENTION_BACKENDS)}")
     return backend

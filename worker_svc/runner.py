@@ -21,6 +21,8 @@ from pagewire.plan import StepPlan, StepResult
 from pagewire.sampling import SamplingParams
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
+from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.nvtx import nvtx_range
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.sampler import Sampler, SamplingBatch
 from worker_svc.weights import load_model
@@ -65,6 +67,9 @@ class RunnerConfig:
     max_model_len: int | None = None  # None: the model's own
     # CPU only: prepack linear weights for oneDNN (layers/cpu_linear.py)
     cpu_packed_linear: bool = True
+    # CUDA only: replay captured graphs for decode-only steps of up to this many sequences
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -73,6 +78,8 @@ class RunnerConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         parse_dtype(self.dtype)
@@ -124,8 +131,16 @@ class ModelRunner:
             mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
         self.block_size = config.block_size
-        self.block_tables = BlockTables(-(-self.max_model_len // config.block_size), self.device)
+        max_blocks_per_seq = -(-self.max_model_len // config.block_size)
+        self.block_tables = BlockTables(max_blocks_per_seq, self.device)
         self.sampler = Sampler(self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_cache, config.cuda_graph_max_batch, self.max_model_len,
+                max_blocks_per_seq, self.device,
+            )
+            self.decode_graphs.capture_all()
         self._seqs: dict[int, _SeqState] = {}
         self.num_block_copies = 0
         log.info(
@@ -157,21 +172,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        self._apply_plan(plan)
+        with nvtx_range("apply plan"):
+            self._apply_plan(plan)
         result = StepResult(step_id=plan.step_id)
         if plan.is_empty:
             return result
-        inputs = self._prepare_inputs(plan)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
-        if not inputs.sampled_states:
-            return result
-        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+        with nvtx_range("prepare inputs"):
+            inputs = self._prepare_inputs(plan)
+        meta = inputs.meta
+        graphs = self.decode_graphs
+        num_seqs = len(meta.seq_lens_cpu)
+        if graphs is not None and meta.max_query_len == 1 and len(inputs.sampled_states) == num_seqs and graphs.fits(num_seqs):
+            with nvtx_range("decode graph"):
+                logits = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        else:
+            with nvtx_range("forward"):
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
+            if not inputs.sampled_states:
+                return result
+            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
         batch = SamplingBatch(
             params=[s.sampling for s in inputs.sampled_states],
             positions=[len(s.token_ids) for s in inputs.sampled_states],
             want_logprobs=any(s.sampling.logprobs for s in inputs.sampled_states),
         )
-        tokens, logprobs = self.sampler(logits, batch)
+        with nvtx_range("sample"):
+            tokens, logprobs = self.sampler(logits, batch)
         token_list = tokens.tolist()  # the step's one device -> host sync
         for state, token in zip(inputs.sampled_states, token_list):
             state.token_ids.append(token)

