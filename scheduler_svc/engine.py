@@ -253,21 +253,34 @@ class EngineCore:
         With 2 (overlap), plan N+1 is built and sent before result N is read: its decodes use
         the tokens step N samples, which the worker already holds, so the worker never waits for
         a round trip. Stop conditions are then learned one step late; a token sampled past a
-        stop is dropped in ``update``. With 1, each plan waits for its result."""
-        sent = False
-        if len(self._in_flight) < max_in_flight:
-            plan = self.schedule()
-            if plan is not None:
-                link.send(plan)
-                self._in_flight.append(plan.step_id)
-                sent = True
-        if self._in_flight and (not sent or len(self._in_flight) >= max_in_flight):
-            result = link.receive()
-            expected = self._in_flight.popleft()
-            if result.step_id != expected:
-                raise RuntimeError(f"worker answered step {result.step_id}, expected {expected}")
-            return self.process_result(result)
+        stop is dropped in ``update``. With 1, each plan waits for its result. (The gRPC
+        scheduler drives the same three calls from an asyncio task.)"""
+        plan = self.next_plan(max_in_flight)
+        if plan is not None:
+            link.send(plan)
+        if self.should_receive(plan is not None, max_in_flight):
+            return self.on_result(link.receive())
         return []
+
+    def next_plan(self, max_in_flight: int) -> StepPlan | None:
+        """The next plan to send, if fewer than ``max_in_flight`` are outstanding and there is
+        work; it is counted as in flight."""
+        if len(self._in_flight) >= max_in_flight:
+            return None
+        plan = self.schedule()
+        if plan is not None:
+            self._in_flight.append(plan.step_id)
+        return plan
+
+    def should_receive(self, sent: bool, max_in_flight: int) -> bool:
+        """Read a result now: the pipeline is full, or nothing new was sent."""
+        return bool(self._in_flight) and (not sent or len(self._in_flight) >= max_in_flight)
+
+    def on_result(self, result: StepResult) -> list[RequestOutput]:
+        expected = self._in_flight.popleft()
+        if result.step_id != expected:
+            raise RuntimeError(f"worker answered step {result.step_id}, expected {expected}")
+        return self.process_result(result)
 
     def _make_output(self, req: _Request) -> RequestOutput:
         seq = req.seq

@@ -1,19 +1,18 @@
-"""The scheduler's engine thread: owns EngineCore and the worker link.
+"""The scheduler's engine task: owns EngineCore and the worker link, on the event loop.
 
-gRPC handlers (on asyncio event loops) submit validated requests and aborts through a queue;
-the thread schedules, exchanges plans and results with the worker, and hands each step's
-outputs back to the event loops with one callback per loop per step. When the worker is lost,
-every in-flight request fails with UNAVAILABLE, block accounting starts over, and the thread
-reconnects in the background.
+gRPC handlers and the engine share one asyncio event loop and one thread: a handler adds its
+request to the engine directly and waits on its own queue; the engine task schedules, sends
+plans and awaits results from the worker (the loop serves client streams meanwhile) and puts
+each step's deltas on the requests' queues. No thread handoffs, no locks. When the worker is
+lost, every in-flight request fails with UNAVAILABLE, block accounting starts over, and the
+task reconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,21 +41,15 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
     max_model_len: int | None = None
-    # keep one plan in flight ahead of the worker (see _loop_once)
+    # keep one plan in flight ahead of the worker (EngineCore.pipeline_step)
     overlap: bool = True
 
 
 @dataclass(slots=True)
 class WorkerLost:
-    """Delivered to a request's sink when the worker went away mid-request."""
+    """Put on a request's queue when the worker went away mid-request."""
 
     message: str
-
-
-@dataclass(slots=True)
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
 
 
 class EngineService:
@@ -64,33 +57,38 @@ class EngineService:
         self.worker_address = worker_address
         self.options = options
         self._on_health = on_health or (lambda serving: None)
-        self._link = WorkerLink(worker_address)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
-        self._lock = threading.Lock()  # guards _sinks and the counters below
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pagewire-engine", daemon=True)
+        self._link: WorkerLink | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
         self.engine: EngineCore | None = None
         self.tokenizer: Tokenizer | None = None
         self.worker_info: WorkerInfo | None = None
-        self.connected = threading.Event()
+        self.connected = asyncio.Event()
         self.num_finished = 0
         self.num_aborted = 0
         self.num_steps = 0
         self.num_preemptions = 0
-        self._num_queued = 0  # submitted, not yet admitted by the engine thread
         self._tmpdir = tempfile.TemporaryDirectory(prefix="pagewire-tokenizer-")
 
-    # ---- called from gRPC handlers --------------------------------------------------------
+    # ---- called from gRPC handlers (same event loop) --------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        self._link = WorkerLink(self.worker_address)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pagewire-engine")
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._commands.put(("wake", None))
-        self._thread.join(timeout)
-        self._link.close()
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._link is not None:
+            await self._link.close()
         self._tmpdir.cleanup()
 
     def validate(self, prompt, prompt_token_ids, sampling: SamplingParams) -> list[int]:
@@ -99,22 +97,25 @@ class EngineService:
             raise NotReadyError("the worker is not connected")
         return engine.validate(prompt, prompt_token_ids, sampling, strict_length=True)
 
-    def submit(self, request_id: str, token_ids: list[int], sampling: SamplingParams, sink_queue: asyncio.Queue) -> None:
-        """Queue a validated request; its outputs (RequestOutput or WorkerLost) go to ``sink_queue``."""
-        with self._lock:
-            if request_id in self._sinks:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            waiting = self._num_queued + (self.engine.scheduler.num_waiting if self.engine else 0)
-            if waiting >= self.options.max_queued_requests:
-                raise QueueFullError(
-                    f"the queue is full ({self.options.max_queued_requests} requests waiting); retry later"
-                )
-            self._sinks[request_id] = _Sink(asyncio.get_running_loop(), sink_queue)
-            self._num_queued += 1
-        self._commands.put(("add", (request_id, token_ids, sampling)))
+    def submit(self, request_id: str, token_ids: list[int], sampling: SamplingParams, queue: asyncio.Queue) -> None:
+        """Queue a validated request; its outputs (RequestOutput or WorkerLost) go to ``queue``."""
+        engine = self.engine
+        if engine is None or not self.connected.is_set():
+            raise NotReadyError("the worker is not connected")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if engine.scheduler.num_waiting >= self.options.max_queued_requests:
+            raise QueueFullError(f"the queue is full ({self.options.max_queued_requests} requests waiting); retry later")
+        engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling)
+        self._queues[request_id] = queue
+        self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        """Cancel a request: its blocks are freed now; the worker drops it in the next plan."""
+        if self._queues.pop(request_id, None) is not None and self.engine is not None:
+            if self.engine.abort(request_id):
+                self.num_aborted += 1
+                self._wake.set()
 
     def stats(self) -> dict:
         engine = self.engine
@@ -124,7 +125,7 @@ class EngineService:
             num_free_blocks=alloc.num_free_blocks if alloc else 0,
             num_cached_blocks=alloc.num_cached_blocks if alloc else 0,
             num_running=engine.scheduler.num_running if engine else 0,
-            num_waiting=(engine.scheduler.num_waiting if engine else 0) + self._num_queued,
+            num_waiting=engine.scheduler.num_waiting if engine else 0,
             num_requests_finished=self.num_finished,
             num_requests_aborted=self.num_aborted,
             worker_connected=self.connected.is_set(),
@@ -134,32 +135,33 @@ class EngineService:
 
     @property
     def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._sinks)
+        return len(self._queues)
 
-    # ---- the engine thread ---------------------------------------------------------------
+    # ---- the engine task -----------------------------------------------------------------
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
         backoff = 0.2
-        while not self._stop.is_set():
+        while not self._stopping:
             if not self.connected.is_set():
-                if self._connect():
+                if await self._connect():
                     backoff = 0.2
                 else:
-                    self._stop.wait(backoff)
+                    await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
                 continue
             try:
-                self._loop_once()
+                await self._serve_steps()
             except WorkerLinkError as e:
                 self._worker_lost(str(e))
+            except asyncio.CancelledError:
+                raise
             except Exception:  # a bug: fail what is in flight rather than hang it
                 log.exception("engine step failed")
                 self._worker_lost("internal error in the scheduler engine")
 
-    def _connect(self) -> bool:
+    async def _connect(self) -> bool:
         try:
-            info = self._link.info(timeout=2.0)
+            info = await self._link.info(timeout=2.0)
             self._link.open()
         except WorkerLinkError as e:
             log.debug("worker not reachable: %s", e)
@@ -192,7 +194,7 @@ class EngineService:
         )
         if self.engine is not None:
             self.num_preemptions += self.engine.scheduler.num_preemptions
-        self.engine = EngineCore(config, worker_info, self._link, tokenizer)
+        self.engine = EngineCore(config, worker_info, None, tokenizer)
         self.tokenizer = tokenizer
         self.worker_info = worker_info
         self.connected.set()
@@ -203,55 +205,37 @@ class EngineService:
         )
         return True
 
-    def _drain_commands(self, block: bool) -> None:
-        engine = self.engine
-        try:
-            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, arg = cmd
-            if kind == "add":
-                request_id, token_ids, sampling = arg
-                with self._lock:
-                    self._num_queued -= 1
-                    alive = request_id in self._sinks
-                if alive:
-                    engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling)
-            elif kind == "abort":
-                if engine.abort(arg):
-                    with self._lock:
-                        self._sinks.pop(arg, None)
-                        self.num_aborted += 1
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-
-    def _loop_once(self) -> None:
-        engine = self.engine
-        idle = not engine.has_unfinished() and not engine.num_in_flight
-        self._drain_commands(block=idle)
-        before = engine.num_in_flight
-        outputs = engine.pipeline_step(self._link, max_in_flight=2 if self.options.overlap else 1)
-        if engine.num_in_flight <= before:
-            self.num_steps += 1  # a result came back
-        if outputs:
-            self._deliver(outputs)
+    async def _serve_steps(self) -> None:
+        """Run steps while connected; sleep when there is nothing to do."""
+        engine, link = self.engine, self._link
+        depth = 2 if self.options.overlap else 1
+        while not self._stopping:
+            if not engine.has_unfinished() and not engine.num_in_flight and not engine.scheduler.has_pending_drops():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = engine.next_plan(depth)
+            if plan is not None:
+                await link.send(plan)
+            if engine.should_receive(plan is not None, depth):
+                outputs = engine.on_result(await link.receive())
+                self.num_steps += 1
+                self._deliver(outputs)
+            elif plan is None:
+                # nothing to send and nothing outstanding (e.g. a request waits for blocks that
+                # only an abort can free): let handlers run before trying again
+                await asyncio.sleep(0.001)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if sink is None:
-                    continue
-                if out.finished:
-                    del self._sinks[out.request_id]
-                    self.num_finished += 1
-                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+        queues = self._queues
+        for out in outputs:
+            queue = queues.get(out.request_id)
+            if queue is None:
+                continue
+            if out.finished:
+                del queues[out.request_id]
+                self.num_finished += 1
+            queue.put_nowait(out)
 
     def _worker_lost(self, message: str) -> None:
         log.error("lost the worker: %s; failing in-flight requests and reconnecting", message)
@@ -262,23 +246,7 @@ class EngineService:
             self.num_preemptions += self.engine.scheduler.num_preemptions
             self.engine.reset()
             self.engine.scheduler.num_preemptions = 0
-        # requests still in the command queue are failed too
-        while True:
-            try:
-                self._commands.get_nowait()
-            except queue.Empty:
-                break
-        with self._lock:
-            sinks, self._sinks = self._sinks, {}
-            self._num_queued = 0
+        queues, self._queues = self._queues, {}
         lost = WorkerLost(f"worker unavailable: {message}")
-        by_loop: dict = {}
-        for sink in sinks.values():
-            by_loop.setdefault(sink.loop, []).append((sink.queue, lost))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+        for queue in queues.values():
+            queue.put_nowait(lost)

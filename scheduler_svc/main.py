@@ -38,20 +38,16 @@ async def run_scheduler(
     finish for up to ``shutdown_timeout`` seconds, and stop."""
     loop = asyncio.get_running_loop()
     health_servicer = None
-    pending_health: list[bool] = []
 
     def on_health(serving: bool) -> None:
-        # called from the engine thread
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
         async def _set():
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, status)
 
-        if health_servicer is None:
-            pending_health.append(serving)
-        else:
-            asyncio.run_coroutine_threadsafe(_set(), loop)
+        if health_servicer is not None:
+            loop.create_task(_set())
 
     service = EngineService(worker_address, options, on_health=on_health)
     server, port, servicer, health_servicer = await build_server(service, listen)
@@ -89,5 +85,5 @@ async def run_scheduler(
     if service.num_in_flight:
         log.warning("%d requests still running after %.0fs; cancelling them", service.num_in_flight, shutdown_timeout)
     await server.stop(grace=1.0)
-    service.stop()
+    await service.stop()
     return 0

@@ -100,6 +100,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             service.submit(request_id, token_ids, sampling, outputs)
         except QueueFullError as e:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except NotReadyError as e:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(e))
         finished = False

@@ -1,8 +1,7 @@
-"""The scheduler's link to the worker: ``Info`` and one long-lived ``Execute`` stream."""
+"""The scheduler's link to the worker: ``Info`` and one long-lived ``Execute`` stream, on the
+scheduler's asyncio event loop (grpc.aio), so plans and results never cross a thread."""
 
 from __future__ import annotations
-
-import queue
 
 import grpc
 
@@ -30,54 +29,54 @@ class WorkerLinkError(RuntimeError):
 
 
 class WorkerLink:
+    """Create inside the running event loop that will use it."""
+
     def __init__(self, address: str):
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self._plans: queue.SimpleQueue | None = None
-        self._results = None
         self._call = None
 
-    def info(self, timeout: float = 5.0) -> worker_pb2.InfoResponse:
+    def _error(self, e: grpc.RpcError) -> WorkerLinkError:
+        return WorkerLinkError(f"worker {self.address}: {e.code().name}: {e.details()}")
+
+    async def info(self, timeout: float = 5.0) -> worker_pb2.InfoResponse:
         try:
-            return self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
+            return await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as e:
-            raise WorkerLinkError(f"worker {self.address}: {e.code().name}: {e.details()}") from None
+            raise self._error(e) from None
 
     def open(self) -> None:
         """Start a fresh Execute stream (the worker drops any state it had)."""
         self.close_stream()
-        plans: queue.SimpleQueue = queue.SimpleQueue()
-        self._plans = plans
-        self._call = self._stub.Execute(iter(plans.get, None))
-        self._results = self._call
+        self._call = self._stub.Execute()
 
-    def send(self, plan: StepPlan) -> None:
-        if self._plans is None:
+    async def send(self, plan: StepPlan) -> None:
+        if self._call is None:
             raise WorkerLinkError("no stream open to the worker")
-        self._plans.put(wire.plan_to_pb(plan))
-
-    def receive(self) -> StepResult:
         try:
-            return wire.result_from_pb(next(self._results))
-        except StopIteration:
-            raise WorkerLinkError(f"worker {self.address} closed the stream") from None
+            await self._call.write(wire.plan_to_pb(plan))
         except grpc.RpcError as e:
-            raise WorkerLinkError(f"worker {self.address}: {e.code().name}: {e.details()}") from None
+            raise self._error(e) from None
+        except (grpc.aio.UsageError, RuntimeError) as e:  # the stream already ended
+            raise WorkerLinkError(f"worker {self.address}: stream closed ({e})") from None
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        self.send(plan)
-        return self.receive()
+    async def receive(self) -> StepResult:
+        if self._call is None:
+            raise WorkerLinkError("no stream open to the worker")
+        try:
+            msg = await self._call.read()
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        if msg is grpc.aio.EOF:
+            raise WorkerLinkError(f"worker {self.address} closed the stream")
+        return wire.result_from_pb(msg)
 
     def close_stream(self) -> None:
-        if self._plans is not None:
-            self._plans.put(None)
-            self._plans = None
         if self._call is not None:
             self._call.cancel()
             self._call = None
-        self._results = None
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.close_stream()
-        self._channel.close()
+        await self._channel.close()

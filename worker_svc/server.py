@@ -130,9 +130,16 @@ def serve(args) -> int:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
+        cuda_graphs=not args.no_cuda_graphs,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
     t0 = time.monotonic()
-    runner = args.runner_factory(model_dir, config) if getattr(args, "runner_factory", None) else ModelRunner(model_dir, config)
+    if getattr(args, "worker", "model") == "null":  # no model math: measures the control plane
+        from worker_svc.null_runner import NullRunner
+
+        runner = NullRunner(model_dir, config)
+    else:
+        runner = ModelRunner(model_dir, config)
     eos = tuple(runner.model_config.eos_token_ids)
     server, port, health_servicer = build_server(runner, args.listen, args.served_model_name or model_dir.name, eos)
     print(

@@ -1,0 +1,188 @@
+"""``pagewire bench`` end to end: it starts a server, measures it, runs the transformers baselines,
+and writes JSON and a plot; and its flag errors are clear."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.service_utils import REPO, free_port
+from tests.tiny_models import get_tiny_model
+
+# matplotlib comes with the optional `bench` extra (pip install 'pagewire[bench]')
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run_bench(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "pagewire.cli", "--log-level", "warning", "bench", "--no-progress", *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def explain(proc: subprocess.CompletedProcess, server_log=None) -> str:
+    """What to show when a bench run fails: its stderr, and the served server's log."""
+    text = f"exit {proc.returncode}\n--- stderr\n{proc.stderr[-4000:]}"
+    if server_log is not None and server_log.exists():
+        text += f"\n--- server log\n{server_log.read_text(errors='replace')[-4000:]}"
+    return text
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return get_tiny_model("llama-gqa")
+
+
+@pytest.mark.slow
+def test_serve_measure_and_compare_with_baselines(model_dir, tmp_path):
+    addr = f"127.0.0.1:{free_port()}"
+    out_json, out_png, server_log = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "server.log"
+    n, new = 8, 8
+    proc = run_bench(
+        "--serve", "--addr", addr, "--server-log", str(server_log), "--model", str(model_dir),
+        "--num-requests", str(n), "--concurrency", "4",
+        "--max-new-tokens", str(new), "--ignore-eos", "--prompt-len", "16-48", "--baseline", "hf,hf-cb",
+        "--json", str(out_json), "--plot", str(out_png),
+    )
+    if not HAVE_MATPLOTLIB:  # then the bench refuses --plot up front, before starting anything
+        assert proc.returncode == 2 and "pip install 'pagewire[bench]'" in proc.stderr, proc.stderr
+        assert not processes_mentioning(addr)
+        proc = run_bench(*[a for a in proc.args[proc.args.index("--no-progress") + 1:] if a not in ("--plot", str(out_png))])
+    assert proc.returncode == 0, explain(proc, server_log)
+    assert not processes_mentioning(addr), "the served server is still running"
+
+    doc = json.loads(out_json.read_text())
+    engines = doc["engines"]
+    assert list(engines) == ["pagewire", "hf", "hf-cb"]
+    prompt_tokens = engines["pagewire"]["aggregate"]["prompt_tokens"]
+    assert 16 * n <= prompt_tokens <= 48 * n
+    for name, engine in engines.items():
+        agg = engine["aggregate"]
+        assert (agg["num_requests"], agg["num_failed"]) == (n, 0), name
+        assert agg["completion_tokens"] == n * new, name  # the same number of tokens everywhere
+        assert agg["prompt_tokens"] == prompt_tokens, name  # and the same prompts
+        assert len(engine["runs"]) == 1
+        assert agg["e2e_s"]["count"] == n
+    assert engines["pagewire"]["per_token_timings"] and engines["hf-cb"]["per_token_timings"]
+    assert engines["pagewire"]["aggregate"]["itl_s"]["count"] == n * (new - 1)
+    assert engines["hf-cb"]["aggregate"]["itl_s"]["count"] == n * (new - 1)
+    assert engines["hf"]["aggregate"]["ttft_s"] is None  # not observable for static batches
+    assert engines["hf"]["details"]["batch_size"] == 4
+    assert set(doc["comparison"]) == {"hf", "hf-cb"}
+    assert doc["comparison"]["hf"]["completion_tokens_per_s"] > 0
+    assert doc["comparison"]["hf"]["ttft_p50"] is None
+    assert doc["argv"][doc["argv"].index("--json") + 1] == str(out_json)
+    assert "--serve" in doc["command_line"]
+    env = doc["environment"]
+    assert env["torch"] and env["cpu_count"] >= 1 and "gpu" in env
+    assert doc["server"]["model_info"]["model_name"] == model_dir.name
+    assert doc["config"]["engine"]["max_num_batched_tokens"] == 512
+
+    summary = proc.stdout
+    assert "vs hf " in summary and "vs hf-cb" in summary
+    throughput = next(line for line in summary.splitlines() if line.startswith("output throughput"))
+    assert throughput.count("x") == 2  # a ratio beside each baseline
+    if HAVE_MATPLOTLIB:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_null_worker_counts_tokens(tmp_path):
+    # the null worker reads only the model's config and tokenizer; text prompts work
+    out_json, server_log = tmp_path / "null.json", tmp_path / "server.log"
+    n, new = 24, 16
+    model = str(get_tiny_model("llama-gqa"))
+    proc = run_bench(
+        "--serve", "--server-log", str(server_log), "--worker", "null", "--model", model,
+        "--num-requests", str(n), "--request-rate", "400", "--client-processes", "2",
+        "--max-new-tokens", str(new), "--ignore-eos",
+        "--prompt", "The lighthouse keeper woke before dawn. ", "--prompt-repeats", "1,3", "--warmup-runs", "0",
+        "--repeat-runs", "2", "--json", str(out_json),
+    )
+    assert proc.returncode == 0, explain(proc, server_log)
+    doc = json.loads(out_json.read_text())
+    ours = doc["engines"]["pagewire"]
+    assert [r["completion_tokens"] for r in ours["runs"]] == [n * new, n * new]
+    assert ours["aggregate"]["completion_tokens"] == 2 * n * new
+    assert ours["details"]["client_processes"] == 2
+    assert doc["server"]["model_info"]["device"] == "null"
+    assert 0 < ours["aggregate"]["client_cpu_fraction"]
+    assert "null worker" in proc.stdout
+
+
+# ---- flag errors (in process, no server) ----------------------------------------------------------
+
+
+def bench_main(capsys, *argv: str) -> tuple[int, str]:
+    from pagewire.cli import main
+
+    code = main(["--log-level", "warning", "bench", "--no-progress", *argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--concurrency", "4", "--request-rate", "5"], "not both"),
+        (["--prompt", "hi", "--prompt-len", "8"], "not both"),
+        (["--prompt-repeats", "1,2"], "needs --prompt"),
+        (["--serve", "--worker", "null", "--baseline", "hf"], "nothing to compare"),
+        (["--worker", "null"], "add --serve"),
+        (["--baseline", "vllm"], "unknown baseline 'vllm'"),
+        (["--concurrency", "2", "--client-processes", "4"], "more than --concurrency"),
+    ],
+)
+def test_bad_flag_combinations_are_explained(capsys, argv, message):
+    code, err = bench_main(capsys, *argv)
+    assert code == 2
+    assert message in err
+
+
+def test_unreachable_server_is_explained(capsys):
+    addr = f"127.0.0.1:{free_port()}"
+    code, err = bench_main(capsys, "--addr", addr, "--connect-timeout", "0.5")
+    assert code == 2
+    assert f"no server answers at {addr}" in err and "--serve" in err
+
+
+def test_serve_on_a_busy_port_is_explained(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        addr = f"127.0.0.1:{busy.getsockname()[1]}"
+        code, err = bench_main(capsys, "--serve", "--addr", addr, "--model", str(get_tiny_model("llama-gqa")))
+    assert code == 2
+    assert f"--serve cannot listen on {addr}" in err and "drop --serve" in err
+
+
+def test_bad_values_are_rejected_by_the_parser(capsys):
+    from pagewire.cli import main
+
+    for argv in (["--prompt-len", "8-4"], ["--prompt-len", "x"], ["--request-rate", "0"], ["--prompt-repeats", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", *argv])
+        assert exc.value.code == 2
+    assert "need 1 <= low <= high" in capsys.readouterr().err

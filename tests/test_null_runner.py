@@ -1,0 +1,200 @@
+"""NullRunner: follows step plans like ModelRunner without model math, rejects the same bad plans,
+and serves through the real scheduler over gRPC."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pagewire.plan import NewSequence, RunningSequence, StepPlan
+from pagewire.sampling import SamplingParams
+from worker_svc.null_runner import DEFAULT_NULL_KV_BLOCKS, NullRunner
+from worker_svc.runner import ModelRunner, RunnerConfig
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama-gqa")
+
+
+@pytest.fixture()
+def runner(model_dir):
+    return NullRunner(model_dir, RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS))
+
+
+@pytest.fixture(scope="module")
+def real_runner(model_dir):
+    return ModelRunner(model_dir, RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, device="cpu"))
+
+
+def new_seq(seq_id, token_ids, block_ids, num_scheduled, num_computed=0) -> NewSequence:
+    return NewSequence(seq_id, list(token_ids), list(block_ids), num_computed, num_scheduled, GREEDY)
+
+
+def test_interface_matches_what_the_worker_server_uses(runner, model_dir):
+    from worker_svc.server import WorkerServicer
+
+    info = WorkerServicer(runner, "tiny", tuple(runner.model_config.eos_token_ids)).Info(None, None)
+    assert info.model_type == "llama"
+    assert (info.block_size, info.num_kv_blocks) == (BLOCK_SIZE, NUM_BLOCKS)
+    assert info.max_model_len == 256
+    assert (info.dtype, info.device) == ("float32", "null")
+    assert b"<|im_end|>" in info.tokenizer_files["tokenizer.json"]
+    assert runner.model_dir == model_dir and runner.num_seqs == 0
+    default = NullRunner(model_dir)
+    assert default.num_kv_blocks == DEFAULT_NULL_KV_BLOCKS
+
+
+def test_kv_cache_memory_sizes_blocks_like_the_real_runner(model_dir, real_runner):
+    budget = 1 << 20
+    null = NullRunner(model_dir, RunnerConfig(block_size=BLOCK_SIZE, kv_cache_bytes=budget))
+    real = ModelRunner(model_dir, RunnerConfig(block_size=BLOCK_SIZE, kv_cache_bytes=budget, device="cpu"))
+    assert null.num_kv_blocks == real.num_kv_blocks
+
+
+def test_token_cycle_is_ordinary_and_positional(runner):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(runner.model_dir / "tokenizer.json"))
+    special = {tid for tid, t in tok.get_added_tokens_decoder().items() if t.special}
+    assert len(runner.token_cycle) > 1
+    assert not set(runner.token_cycle) & (special | set(runner.model_config.eos_token_ids))
+    assert [runner.next_token(p) for p in range(3)] == runner.token_cycle[:3]
+    assert runner.next_token(len(runner.token_cycle)) == runner.token_cycle[0]
+
+
+def test_follows_chunked_prefill_decode_rollover_and_finish(runner):
+    prompt = [5, 6, 7, 8, 9, 10]
+    # chunk 1: 4 of 6 prompt tokens, nothing sampled
+    r = runner.execute(StepPlan(1, new_seqs=[new_seq(1, prompt, [0, 1], num_scheduled=4)]))
+    assert (r.seq_ids, r.token_ids) == ([], [])
+    # chunk 2 reaches the end of the prompt: one token, for position 6
+    r = runner.execute(StepPlan(2, running_seqs=[RunningSequence(1, 2)]))
+    assert (r.seq_ids, r.token_ids) == ([1], [runner.next_token(6)])
+    # decodes compute positions 6 and 7 (the last slot of block 1) and sample positions 7 and 8
+    r = runner.execute(StepPlan(3, running_seqs=[RunningSequence(1, 1)]))
+    assert r.token_ids == [runner.next_token(7)]
+    r = runner.execute(StepPlan(4, running_seqs=[RunningSequence(1, 1)]))
+    assert r.token_ids == [runner.next_token(8)]
+    # computing position 8 needs a third block: without it the plan is rejected...
+    with pytest.raises(ValueError, match="too few blocks"):
+        runner.execute(StepPlan(5, running_seqs=[RunningSequence(1, 1)]))
+    runner.reset()
+    assert runner.num_seqs == 0
+    # ...with it (appended at index 2) the sequence goes on; a second sequence joins the step
+    runner.execute(StepPlan(1, new_seqs=[new_seq(1, prompt + [runner.next_token(6), runner.next_token(7)], [0, 1], 8)]))
+    r = runner.execute(StepPlan(
+        2,
+        new_seqs=[new_seq(2, [11, 12, 13], [3], 3)],
+        running_seqs=[RunningSequence(1, 1, block_table_start=2, block_ids=[2])],
+    ))
+    assert (r.seq_ids, r.token_ids) == ([2, 1], [runner.next_token(3), runner.next_token(9)])
+    # copy-on-write replaces the last block; finished sequences are dropped first
+    r = runner.execute(StepPlan(3, running_seqs=[RunningSequence(2, 1, block_table_start=0, block_ids=[4])],
+                                finished_seq_ids=[1], block_copies=[(3, 4)]))
+    assert (r.seq_ids, r.token_ids) == ([2], [runner.next_token(4)])
+    assert runner.num_seqs == 1 and runner.num_block_copies == 1
+    assert runner.execute(StepPlan(4, finished_seq_ids=[2])).token_ids == []
+    assert runner.num_seqs == 0
+
+
+def test_prefix_cache_hit_starts_from_computed_tokens(runner):
+    r = runner.execute(StepPlan(1, new_seqs=[new_seq(7, [1, 2, 3, 4, 5], [9, 10], num_scheduled=1, num_computed=4)]))
+    assert (r.seq_ids, r.token_ids) == ([7], [runner.next_token(5)])
+
+
+BAD_PLANS = {
+    "unknown running sequence": (
+        [], StepPlan(1, running_seqs=[RunningSequence(99, 1)]), KeyError, "not known"),
+    "scheduled past the known tokens": (
+        [], StepPlan(1, new_seqs=[new_seq(1, [5, 6, 7], [0], num_scheduled=4)]), ValueError, "past the known tokens"),
+    "too few blocks": (
+        [], StepPlan(1, new_seqs=[new_seq(1, [5, 6, 7, 8, 9], [0], num_scheduled=5)]), ValueError, "too few blocks"),
+    "decode past the sampled token": (
+        [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
+        StepPlan(2, running_seqs=[RunningSequence(1, 2)]), ValueError, "past the known tokens"),
+    "new sequence already known": (
+        [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
+        StepPlan(2, new_seqs=[new_seq(1, [5, 6], [1], num_scheduled=2)]), ValueError, "already known"),
+    "gap in the block table": (
+        [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
+        StepPlan(2, running_seqs=[RunningSequence(1, 1, block_table_start=2, block_ids=[3])]), ValueError,
+        "leaves a gap"),
+    "more blocks than the model length": (  # 256 tokens / 4 per block = 64 blocks at most
+        [], StepPlan(1, new_seqs=[new_seq(1, [5, 6], list(range(65)), num_scheduled=2)]), ValueError,
+        "at most 64 fit"),
+    "finished then running": (
+        [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
+        StepPlan(2, running_seqs=[RunningSequence(1, 1)], finished_seq_ids=[1]), KeyError, "not known"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+def test_rejects_bad_plans_like_the_real_runner(case, runner, real_runner):
+    setup, bad, error, message = BAD_PLANS[case]
+    for r in (runner, real_runner):
+        r.reset()
+        for plan in setup:
+            r.execute(plan)
+        with pytest.raises(error, match=message):
+            r.execute(bad)
+        r.reset()
+
+
+def test_rejects_block_ids_outside_the_cache(runner):
+    with pytest.raises(ValueError, match="outside the cache"):
+        runner.execute(StepPlan(1, new_seqs=[new_seq(1, [5, 6], [NUM_BLOCKS], num_scheduled=2)]))
+    runner.reset()
+    with pytest.raises(ValueError, match="outside the cache"):
+        runner.execute(StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], 2)], block_copies=[(0, -1)]))
+
+
+# ---- through the real scheduler over gRPC ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_serves_through_the_real_scheduler(model_dir, tmp_path):
+    from pagewire.v1 import generation_pb2 as pb
+    from tests.service_utils import sampling, start_scheduler, start_worker, stub, wait_until
+
+    cycle = NullRunner(model_dir).token_cycle
+    worker, worker_addr = start_worker(model_dir, tmp_path, extra=["--worker", "null", "--block-size", "4"])
+    scheduler = None
+    try:
+        scheduler, addr = start_scheduler(worker_addr, tmp_path, extra=["--max-num-seqs", "8"])
+        client = stub(addr)
+        info = client.GetModelInfo(pb.ModelInfoRequest())
+        assert (info.device, info.block_size, info.num_kv_blocks) == ("null", 4, DEFAULT_NULL_KV_BLOCKS)
+
+        def run(prompt_ids):
+            req = pb.GenerateRequest(prompt_token_ids=prompt_ids, sampling=sampling(max_tokens=20, ignore_eos=True))
+            ids, last = [], None
+            for resp in client.Generate(req):
+                ids += list(resp.token_ids)
+                last = resp
+            return ids, last
+
+        prompts = [[3 + (i * 7 + j) % 200 for j in range(1 + 5 * i)] for i in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            outputs = list(pool.map(run, prompts))
+        for prompt, (ids, last) in zip(prompts, outputs):
+            n = len(prompt)
+            assert ids == [cycle[(n + k) % len(cycle)] for k in range(20)]
+            assert last.finish_reason == pb.LENGTH
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (n, 20)
+        # text prompts go through the tokenizer read from the model directory
+        text = "".join(r.text for r in client.Generate(pb.GenerateRequest(
+            prompt="The lighthouse keeper", sampling=sampling(max_tokens=6, ignore_eos=True))))
+        assert text
+        stats = wait_until(lambda: (s := client.GetStats(pb.StatsRequest())).num_running == 0 and s)
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert stats.num_requests_finished == 17
+    finally:
+        if scheduler is not None:
+            scheduler.stop()
+        worker.stop()

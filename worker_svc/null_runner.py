@@ -1,0 +1,203 @@
+"""A worker runner that does no math: it measures the control plane (scheduler, gRPC, streaming).
+
+``NullRunner`` has the interface the worker server uses from ``ModelRunner`` (``execute``,
+``reset``, ``model_config``, ``model_dir``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
+``dtype``, ``device``, ``num_seqs``) and keeps the same per-sequence state (token lists, computed
+counts, block tables), checked the same way, so a control-plane bug still surfaces as a rejected
+plan. Instead of running a model it "samples" a fixed cycle of ordinary token ids: the token at
+position ``p`` is ``cycle[p % len(cycle)]``, so outputs depend only on positions (identical with
+overlap on and off, whatever the batch) and never end a request early through EOS.
+
+It reads ``config.json`` and the tokenizer files of a real model directory (so text prompts, the
+chat template and detokenization work as usual) but loads no weights and allocates no KV cache,
+so the default number of KV blocks is large.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagewire.plan import StepPlan, StepResult
+from worker_svc.config import ModelConfig
+
+log = logging.getLogger("pagewire.worker")
+
+# 1M tokens at the default block size: enough that admission is never limited by KV blocks, small
+# enough that the scheduler's allocator (a few flat lists of num_blocks ints) stays a few MiB.
+DEFAULT_NULL_KV_BLOCKS = 1 << 16
+# Bytes per element by dtype, to size the pretend cache from --kv-cache-memory as the real runner would.
+_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
+# Text whose tokens make the fixed output cycle: ordinary words, so the scheduler's incremental
+# detokenizer does its usual work.
+_CYCLE_TEXT = " the quick brown fox jumps over the lazy dog and then it runs back home again"
+_CYCLE_LEN = 16
+
+
+@dataclass(slots=True)
+class _SeqState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class NullRunner:
+    """Follows step plans like ``ModelRunner`` and returns fixed tokens without any model math."""
+
+    def __init__(self, model_dir: str | Path, config=None):
+        from worker_svc.runner import RunnerConfig  # the same option type the real runner takes
+
+        self.config = config = config or RunnerConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config: ModelConfig = ModelConfig.from_pretrained(self.model_dir)
+        mc = self.model_config
+        self.device = "null"
+        self.dtype = _canonical_dtype(config.dtype)
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.block_size = config.block_size
+        # the real runner's block-table width: a longer table is a scheduler bug
+        self.max_blocks_per_seq = -(-self.max_model_len // config.block_size)
+        if config.num_kv_blocks is not None:
+            self.num_kv_blocks = config.num_kv_blocks
+        elif config.kv_cache_bytes is not None:
+            per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * _DTYPE_BYTES[self.dtype]
+            self.num_kv_blocks = config.kv_cache_bytes // per_block
+            if self.num_kv_blocks < 1:
+                raise ValueError(
+                    f"a KV cache budget of {config.kv_cache_bytes} bytes holds no block of {config.block_size} tokens"
+                )
+        else:
+            self.num_kv_blocks = DEFAULT_NULL_KV_BLOCKS
+        self.token_cycle = _token_cycle(self.model_dir, mc)
+        self._seqs: dict[int, _SeqState] = {}
+        self.num_block_copies = 0
+        log.info(
+            "null worker ready: %s config, no model math, %d KV blocks of %d tokens (none allocated), "
+            "max model length %d, output cycle %s",
+            mc.model_type, self.num_kv_blocks, self.block_size, self.max_model_len, self.token_cycle,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._seqs)
+
+    def reset(self) -> None:
+        """Drop all per-sequence state (the scheduler reconnected and starts from scratch)."""
+        self._seqs.clear()
+
+    def next_token(self, position: int) -> int:
+        """The token this runner samples at ``position`` (0-based index in the sequence)."""
+        return self.token_cycle[position % len(self.token_cycle)]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Apply ``plan`` to the per-sequence state and "sample" one token for every sequence
+        that reached the end of its known tokens. Raises ``KeyError``/``ValueError`` for a plan
+        that contradicts the state, as ``ModelRunner`` does."""
+        self._apply_plan(plan)
+        result = StepResult(step_id=plan.step_id)
+        if plan.is_empty:
+            return result
+        block_size = self.block_size
+        scheduled: list[tuple[int, _SeqState, int]] = []
+        for s in plan.new_seqs:
+            scheduled.append((s.seq_id, self._seqs[s.seq_id], s.num_scheduled_tokens))
+        for s in plan.running_seqs:
+            scheduled.append((s.seq_id, self._seqs[s.seq_id], s.num_scheduled_tokens))
+        # check every sequence before changing any, as the real runner does before its forward pass
+        for _seq_id, state, n in scheduled:
+            end = state.num_computed_tokens + n
+            if end > len(state.token_ids):
+                raise ValueError(f"step {plan.step_id}: scheduled past the known tokens of a sequence")
+            if end > len(state.block_ids) * block_size:
+                raise ValueError(f"step {plan.step_id}: a sequence has too few blocks for its tokens")
+        seq_ids = result.seq_ids
+        token_ids = result.token_ids
+        cycle = self.token_cycle
+        cycle_len = len(cycle)
+        for seq_id, state, n in scheduled:
+            state.num_computed_tokens += n
+            tokens = state.token_ids
+            if state.num_computed_tokens == len(tokens):
+                token = cycle[len(tokens) % cycle_len]
+                tokens.append(token)
+                seq_ids.append(seq_id)
+                token_ids.append(token)
+        return result
+
+    def _apply_plan(self, plan: StepPlan) -> None:
+        num_blocks = self.num_kv_blocks
+        for seq_id in plan.finished_seq_ids:
+            self._seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            if new.seq_id in self._seqs:
+                raise ValueError(f"step {plan.step_id}: sequence {new.seq_id} is already known to this worker")
+            self._check_table(0, 0, new.block_ids)
+            _check_block_ids(new.block_ids, num_blocks, plan.step_id)
+            if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+                raise ValueError(
+                    f"step {plan.step_id}: sequence {new.seq_id} has {new.num_computed_tokens} computed tokens "
+                    f"out of {len(new.token_ids)}"
+                )
+            self._seqs[new.seq_id] = _SeqState(
+                token_ids=list(new.token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for diff in plan.running_seqs:
+            state = self._seqs.get(diff.seq_id)
+            if state is None:
+                raise KeyError(f"step {plan.step_id}: sequence {diff.seq_id} is not known to this worker")
+            if diff.block_ids:
+                self._check_table(len(state.block_ids), diff.block_table_start, diff.block_ids)
+                _check_block_ids(diff.block_ids, num_blocks, plan.step_id)
+                del state.block_ids[diff.block_table_start :]
+                state.block_ids.extend(diff.block_ids)
+        if plan.block_copies:
+            for src, dst in plan.block_copies:
+                _check_block_ids((src, dst), num_blocks, plan.step_id)
+            self.num_block_copies += len(plan.block_copies)
+
+    def _check_table(self, num_held: int, start: int, block_ids: list[int]) -> None:
+        # the same checks (and messages) as the real runner's device-resident block tables
+        end = start + len(block_ids)
+        if not 0 <= start <= num_held:
+            raise ValueError(f"block table edit at {start} leaves a gap after {num_held} blocks")
+        if end > self.max_blocks_per_seq:
+            raise ValueError(f"a sequence needs {end} blocks; at most {self.max_blocks_per_seq} fit the model length")
+
+
+def _check_block_ids(block_ids, num_blocks: int, step_id: int) -> None:
+    # the real runner would index out of its cache tensors (or silently alias a block)
+    for b in block_ids:
+        if not 0 <= b < num_blocks:
+            raise ValueError(f"step {step_id}: block id {b} is outside the cache [0, {num_blocks})")
+
+
+def _canonical_dtype(dtype) -> str:
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPE_BYTES)}")
+    return {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(name, name)
+
+
+def _token_cycle(model_dir: Path, mc: ModelConfig) -> list[int]:
+    """Ordinary (non-special, non-EOS) token ids to emit in turn: the tokens of a plain sentence
+    when the model has a tokenizer, else the first ordinary ids of the vocabulary."""
+    excluded = set(mc.eos_token_ids)
+    if mc.bos_token_id is not None:
+        excluded.add(mc.bos_token_id)
+    ids: list[int] = []
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        excluded |= {tid for tid, t in tok.get_added_tokens_decoder().items() if t.special}
+        ids = [t for t in tok.encode(_CYCLE_TEXT, add_special_tokens=False).ids if t not in excluded]
+    ids = [t for t in ids if t < mc.vocab_size][:_CYCLE_LEN]
+    if not ids:
+        ids = [t for t in range(min(mc.vocab_size, 64)) if t not in excluded][:_CYCLE_LEN]
+    if not ids:
+        raise ValueError(f"the model in {model_dir} has no ordinary token id to emit")
+    return ids
