@@ -47,6 +47,10 @@ class AllocatorIntegrityError(AssertionError):
     """Raised by ``BlockAllocator.check_integrity`` when an invariant does not hold."""
 
 
+_NO_BLOCKS: list[int] = []  # shared empty results of the fast path: callers must not modify them
+_NO_COPIES: list[tuple[int, int]] = []
+
+
 class BlockAllocator:
     """Fixed pool of ``num_blocks`` KV-cache blocks of ``block_size`` tokens each."""
 
@@ -249,6 +253,12 @@ class BlockAllocator:
         num_old_tokens = self._seq_num_tokens[seq_id]
         if num_tokens < num_old_tokens:
             raise ValueError(f"seq {seq_id}: num_tokens={num_tokens} < current length {num_old_tokens}")
+        # the common decode case: growth inside a private last block changes no block
+        if num_tokens <= len(block_ids) * self.block_size and self._ref_counts[block_ids[-1]] == 1 and (
+            num_old_tokens // self.block_size >= len(block_ids) - 1
+        ):
+            self._seq_num_tokens[seq_id] = num_tokens
+            return AppendResult(len(block_ids), _NO_BLOCKS, _NO_COPIES)
         num_new_blocks = self.num_blocks_for(num_tokens) - len(block_ids)
         write_index = num_old_tokens // self.block_size  # block of the first new token
         needs_copy = (

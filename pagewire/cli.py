@@ -46,6 +46,7 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="KV blocks to allocate (default: as many as --kv-cache-memory holds)")
     g.add_argument("--kv-cache-memory", dest="kv_cache_bytes", type=_bytes_size, default=None, help="memory for the KV cache, e.g. 2G (default: 1G on CPU, 90%% of free GPU memory)")
     g.add_argument("--max-model-len", type=_positive_int, default=None, help="longest prompt + output in tokens (default: the model's)")
+    g.add_argument("--num-threads", type=_positive_int, default=None, help="CPU threads for the worker's torch ops (default: torch's, one per core)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA (default: replay graphs captured at start)")
     g.add_argument("--cuda-graph-max-batch", type=_positive_int, default=256, help="largest decode batch captured as a CUDA graph (default: %(default)s)")
     g.add_argument("--worker", choices=["model", "null"], default="model",
@@ -58,6 +59,7 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, help="token budget of one step: prefill chunks + decodes (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most sequences running at once (default: %(default)s)")
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    g.add_argument("--stream-interval", type=_positive_int, default=1, help="after a request's first token, send a response once this many tokens are ready (fewer, larger messages under heavy load; default: %(default)s, every token)")
     g.add_argument("--no-overlap", action="store_true", help="wait for each step's result before sending the next plan (default: one plan in flight ahead)")
     g.add_argument("--max-queued-requests", type=int, default=1024, help="waiting requests beyond this get RESOURCE_EXHAUSTED (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to let running requests finish on SIGTERM (default: %(default)s)")
@@ -161,6 +163,7 @@ def _worker_argv(args, listen: str) -> list[str]:
         ("--kv-cache-memory", args.kv_cache_bytes),
         ("--max-model-len", args.max_model_len),
         ("--cuda-graph-max-batch", args.cuda_graph_max_batch),
+        ("--num-threads", args.num_threads),
     ):
         if value is not None:
             argv += [flag, str(value)]

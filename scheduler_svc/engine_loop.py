@@ -43,6 +43,12 @@ class EngineOptions:
     max_model_len: int | None = None
     # keep one plan in flight ahead of the worker (EngineCore.pipeline_step)
     overlap: bool = True
+    # after the first token, stream a response once this many tokens are ready (or at the end)
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
 
 @dataclass(slots=True)
@@ -59,6 +65,7 @@ class EngineService:
         self._on_health = on_health or (lambda serving: None)
         self._link: WorkerLink | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._held: dict[str, list[RequestOutput]] = {}  # deltas waiting for stream_interval
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -112,6 +119,7 @@ class EngineService:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks are freed now; the worker drops it in the next plan."""
+        self._held.pop(request_id, None)
         if self._queues.pop(request_id, None) is not None and self.engine is not None:
             if self.engine.abort(request_id):
                 self.num_aborted += 1
@@ -227,15 +235,33 @@ class EngineService:
                 await asyncio.sleep(0.001)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        queues = self._queues
+        """Put deltas on their requests' queues. With stream_interval N > 1, a request's deltas
+        after its first are held until N tokens are ready or it finishes, so its handler wakes
+        and writes once per N tokens."""
+        queues, held, interval = self._queues, self._held, self.options.stream_interval
         for out in outputs:
-            queue = queues.get(out.request_id)
+            request_id = out.request_id
+            queue = queues.get(request_id)
             if queue is None:
                 continue
             if out.finished:
-                del queues[out.request_id]
+                del queues[request_id]
                 self.num_finished += 1
-            queue.put_nowait(out)
+                for earlier in held.pop(request_id, ()):
+                    queue.put_nowait(earlier)
+                queue.put_nowait(out)
+            elif interval == 1:
+                queue.put_nowait(out)
+            elif request_id not in held:  # the first tokens go out at once (time to first token)
+                held[request_id] = []
+                queue.put_nowait(out)
+            else:
+                pending = held[request_id]
+                pending.append(out)
+                if sum(len(o.token_ids) for o in pending) >= interval:
+                    for earlier in pending:
+                        queue.put_nowait(earlier)
+                    pending.clear()
 
     def _worker_lost(self, message: str) -> None:
         log.error("lost the worker: %s; failing in-flight requests and reconnecting", message)
@@ -247,6 +273,7 @@ class EngineService:
             self.engine.reset()
             self.engine.scheduler.num_preemptions = 0
         queues, self._queues = self._queues, {}
+        self._held.clear()
         lost = WorkerLost(f"worker unavailable: {message}")
         for queue in queues.values():
             queue.put_nowait(lost)

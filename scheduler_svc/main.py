@@ -23,6 +23,7 @@ def options_from_args(args) -> EngineOptions:
         max_queued_requests=args.max_queued_requests,
         max_model_len=args.max_model_len,
         overlap=not args.no_overlap,
+        stream_interval=args.stream_interval,
     )
 
 

@@ -167,13 +167,17 @@ class Scheduler:
             scheduled.append((seq, num_new))
             budget -= num_new
 
+        caching = self.allocator.enable_prefix_caching
+        block_size = self.allocator.block_size
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.num_pending_tokens += 1  # the worker samples a token this step
-            if self.allocator.enable_prefix_caching:
+            if caching:
                 known = min(seq.num_computed_tokens, len(seq.token_ids))
-                self.allocator.cache_blocks(seq.seq_id, seq.token_ids, known)
+                if known // block_size > seq.num_hashed_blocks:  # a block filled up
+                    self.allocator.cache_blocks(seq.seq_id, seq.token_ids, known)
+                    seq.num_hashed_blocks = known // block_size
 
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
@@ -249,6 +253,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_slot_tokens = 0
+        seq.num_hashed_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -49,6 +49,8 @@ class Sequence:
     is_known_to_worker: bool = False
     # how many tokens the allocator has slots for (its view of the sequence's length)
     num_slot_tokens: int = 0
+    # full blocks already offered to the prefix cache (cache_blocks is called only when one fills)
+    num_hashed_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -111,7 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if isinstance(item, WorkerLost):
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
-                # several deltas may have queued up: send them as one message
+                # deltas that queued up while this stream was being written go out as one message
                 items = [item]
                 while not outputs.empty():
                     more = outputs.get_nowait()

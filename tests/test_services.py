@@ -281,3 +281,20 @@ def test_generate_command_streams_text(services, offline):
     assert out.returncode == 0, out.stderr
     expected = offline.generate("The river ", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert out.stdout == expected.text + "\n"
+
+
+def test_stream_interval_batches_tokens_after_the_first(model_dir, tmp_path, offline):
+    worker, worker_addr = start_worker(model_dir, tmp_path, extra=["--block-size", "4", "--num-kv-blocks", "200"])
+    sched, addr = start_scheduler(worker_addr, tmp_path, extra=["--stream-interval", "4"])
+    try:
+        prompt = [5, 6, 7, 8]
+        ids, text, responses = collect(stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(max_tokens=23, ignore_eos=True))))
+        expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=23, ignore_eos=True))[0]
+        assert ids == expected.token_ids and text == expected.text
+        sizes = [len(r.token_ids) for r in responses]
+        assert sizes[0] == 1  # time to first token is not delayed
+        assert all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 23
+        assert responses[-1].finish_reason == pb.LENGTH
+    finally:
+        sched.stop()
+        worker.stop()

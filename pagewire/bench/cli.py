@@ -45,6 +45,8 @@ _PASSTHROUGH = (
     ("--max-num-seqs", "max_num_seqs", "value"),
     ("--no-prefix-cache", "no_prefix_cache", "flag"),
     ("--no-overlap", "no_overlap", "flag"),
+    ("--stream-interval", "stream_interval", "value"),
+    ("--num-threads", "num_threads", "value"),
     ("--worker", "worker", "value"),
 )
 
@@ -181,6 +183,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "hf-cb's block sharing)")
     g.add_argument("--no-overlap", action="store_true",
                    help="the server waits for each step's result before sending the next plan")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="the worker's CPU threads (default: the server's, one per core)")
+    g.add_argument("--stream-interval", type=int, default=None,
+                   help="tokens per response after the first (default: the server's, 1)")
     g.add_argument("--worker", choices=["model", "null"], default=None,
                    help="null: a worker that does no model math and returns fixed tokens, to measure the control "
                    "plane's ceiling (scheduler + gRPC + streaming); needs --serve; no baselines (default: model)")
@@ -295,7 +301,7 @@ def validate_args(args) -> None:
     if not args.serve:
         # the baselines follow what the running server reports (dtype, block size, KV blocks)
         server_only = [flag for flag, dest, _kind in _PASSTHROUGH
-                       if dest in ("dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "no_overlap")
+                       if dest in ("dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "no_overlap", "stream_interval")
                        and getattr(args, dest) not in (None, False)]
         if server_only:
             print(f"pagewire bench: note: {', '.join(server_only)} only configure a server started with --serve; "
