@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer, _bytes_to_unicode
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +44,6 @@ def test_single_byte_tokens_hold_back_incomplete_characters(tok):
     deltas, _ = stream(tok, [5, 6], ids)
     assert "".join(deltas) == text
     assert deltas[0] == "" and deltas[1] == "" and deltas[2] == "日"
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-to-symbol table used by byte-level BPE."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def test_stop_string_is_cut_and_held_back(tok):
