@@ -7,6 +7,7 @@ Triton kernels under TRITON_INTERPRET=1, in a subprocess so the interpreter sett
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,9 @@ import pytest
 
 from tests.service_utils import REPO
 
-pytest.importorskip("triton")
+# find_spec, not import: importing triton here would stop test_triton_kernels from switching on
+# its interpreter (TRITON_INTERPRET must be set before triton's first import in the process)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 SCRIPT = textwrap.dedent(
     """
