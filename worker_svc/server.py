@@ -147,6 +147,16 @@ def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int,
     return server, port, health_servicer
 
 
+def default_model_name(model_arg: str | None, model_dir: Path) -> str:
+    """The name clients see: the embedded model's, a GGUF file's stem (not its cache directory's
+    hashed name), or the model directory's name."""
+    if model_arg is None:
+        return "SmolLM2-135M-Instruct"
+    if str(model_arg).endswith(".gguf"):
+        return Path(model_arg).stem
+    return model_dir.name
+
+
 def serve(args) -> int:
     """``pagewire worker``: load the model, size the KV cache, serve until SIGINT/SIGTERM."""
     import signal
@@ -179,7 +189,7 @@ def serve(args) -> int:
     eos = tuple(runner.model_config.eos_token_ids)
     main_thread = MainThreadExecutor()
     server, port, health_servicer = build_server(
-        runner, args.listen, args.served_model_name or model_dir.name, eos, main_thread
+        runner, args.listen, args.served_model_name or default_model_name(args.model, model_dir), eos, main_thread
     )
     print(
         f"pagewire worker ready on {args.listen} (port {port}): {model_dir.name}, "
