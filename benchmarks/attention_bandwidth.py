@@ -182,8 +182,6 @@ def main() -> int:
                 return paged_attention_ref(query, kv_layer, meta, scale)
 
             report("torch ref", time_eager(call_ref, args.ref_iters), call_ref())
-        del query, kv_layer, meta, expected
-        torch.cuda.empty_cache()
     return 0
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from pagewire import envs
 
@@ -213,13 +212,11 @@ def _serve(args) -> int:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-        try:
-            os.unlink(f"{sock_dir}/worker.sock")
-        except OSError:
-            pass
-        os.rmdir(sock_dir) if os.path.isdir(sock_dir) and not os.listdir(sock_dir) else None
+        shutil.rmtree(sock_dir, ignore_errors=True)
     print("pagewire: stopped", flush=True)
-    return code if worker.returncode in (0, -signal.SIGTERM) or code else 1
+    if worker.returncode not in (0, -signal.SIGTERM):
+        return code or 1  # the worker died on its own
+    return code
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Pure Python: the scheduler imports this and must never pull in torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _MAX_SEED = 2**64 - 1
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 

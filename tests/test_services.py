@@ -256,7 +256,6 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
         serve.wait_for_output("pagewire ready", timeout=90)
         ids, text, _ = collect(stub(f"127.0.0.1:{port}").Generate(pb.GenerateRequest(prompt="The river ", sampling=sampling(max_tokens=8))))
         assert ids and text
-        pgid = serve.proc.pid
         serve.signal(signal.SIGTERM)
         assert serve.proc.wait(20) == 0
         out = serve.output()
@@ -265,7 +264,7 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
         import subprocess
 
         ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-        assert f"--listen unix:" not in "\n".join(l for l in ps.splitlines() if str(model_dir) in l)
+        assert "--listen unix:" not in "\n".join(l for l in ps.splitlines() if str(model_dir) in l)
     finally:
         serve.kill()
 

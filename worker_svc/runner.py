@@ -9,7 +9,6 @@ and one token is sampled for each sequence that reached the end of its known tok
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 

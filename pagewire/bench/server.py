@@ -1,0 +1,183 @@
+"""Starting and stopping the server that ``pagewire bench --serve`` measures.
+
+``ServedServer`` runs ``pagewire serve`` as a child process with the engine options the bench was
+given, waits for "pagewire ready", and stops it (and its worker) at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+class BenchError(Exception):
+    """A problem the user can fix (bad flags, no server, server failed to start)."""
+
+
+# server-side engine options passed through to `pagewire serve` with --serve: (flag, dest, kind)
+_PASSTHROUGH = (
+    ("--model", "model", "value"),
+    ("--dtype", "dtype", "value"),
+    ("--device", "device", "value"),
+    ("--block-size", "block_size", "value"),
+    ("--num-kv-blocks", "num_kv_blocks", "value"),
+    ("--kv-cache-memory", "kv_cache_bytes", "value"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", "value"),
+    ("--max-num-seqs", "max_num_seqs", "value"),
+    ("--no-prefix-cache", "no_prefix_cache", "flag"),
+    ("--no-overlap", "no_overlap", "flag"),
+    ("--stream-interval", "stream_interval", "value"),
+    ("--num-threads", "num_threads", "value"),
+    ("--worker", "worker", "value"),
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_can_listen(addr: str) -> None:
+    """Fail early, and clearly, when --serve cannot listen on ``addr`` (HOST:PORT)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise BenchError(f"--addr {addr!r} is not HOST:PORT")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise BenchError(f"--addr {addr!r}: {e}") from None
+    family, _type, _proto, _name, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            raise BenchError(
+                f"--serve cannot listen on {addr} ({e.strerror}); if a pagewire server already runs there, "
+                f"drop --serve to measure it"
+            ) from None
+
+
+def serve_argv(args, listen: str) -> list[str]:
+    """The `pagewire serve` command line for --serve, with the engine options that were given."""
+    argv = [sys.executable, "-m", "pagewire.cli", "--log-level", args.log_level, "serve", "--listen", listen]
+    for flag, dest, kind in _PASSTHROUGH:
+        value = getattr(args, dest)
+        if kind == "flag":
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+class ServedServer:
+    """`pagewire serve` as a child process in its own session: started, awaited until it prints
+    "pagewire ready", and stopped with SIGTERM (SIGKILL for it and its worker if that fails)."""
+
+    READY = "pagewire ready"
+
+    def __init__(self, argv: list[str], addr: str, log_path: str | None = None):
+        self.argv = argv
+        self.addr = addr
+        self.log_path = log_path
+        self.tail: collections.deque[str] = collections.deque(maxlen=60)
+        self.ready = threading.Event()
+        self.proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self, timeout: float) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read_output, name="pagewire-bench-server-log", daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.1):
+            if self.proc.poll() is not None:
+                self._reader.join(2)
+                raise BenchError(
+                    f"the server (`{shlex.join(self.argv[3:])}`) exited with code {self.proc.returncode} before it "
+                    f"was ready; its last output:\n{self.output_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise BenchError(f"the server was not ready within {timeout:g}s; its last output:\n{self.output_tail()}")
+
+    def _read_output(self) -> None:
+        log = open(self.log_path, "w") if self.log_path else None
+        try:
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace")
+                self.tail.append(line)
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+                if self.READY in line:
+                    self.ready.set()
+        finally:
+            if log is not None:
+                log.close()
+
+    def output_tail(self) -> str:
+        return "".join(self.tail).rstrip() or "(no output)"
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            children = _child_pids(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                print(f"pagewire bench: the server did not stop within {timeout:g}s; killing it", file=sys.stderr)
+                children = children or _child_pids(proc.pid)
+                proc.kill()
+                proc.wait()
+                for pid in children:  # the worker runs in a session of its own
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        if self._reader is not None:
+            self._reader.join(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return proc.returncode
+
+
+def _child_pids(pid: int) -> list[int]:
+    pids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                pids += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return pids
+
+
+# ---- the bench -----------------------------------------------------------------------------
+
+
+def _serve_defaults() -> dict:
+    """The defaults of `pagewire serve`'s engine options (for the baselines and the report when a
+    flag is not given), read from its own parser so they never drift."""
+    from pagewire.cli import add_scheduler_options, add_worker_options
+
+    p = argparse.ArgumentParser(add_help=False)
+    add_worker_options(p)
+    add_scheduler_options(p)
+    return vars(p.parse_args([]))

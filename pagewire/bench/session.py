@@ -1,0 +1,362 @@
+"""One ``pagewire bench`` invocation: serve (optionally), connect, run warmups and measured runs,
+run the baselines, report."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+
+from pagewire.bench.server import (
+    _PASSTHROUGH,
+    BenchError,
+    ServedServer,
+    _free_port,
+    _serve_defaults,
+    check_can_listen,
+    serve_argv,
+)
+
+from pagewire.bench.cli import CLIENT_BUSY_WARNING, DEFAULT_ADDR
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.baselines: list[str] = args.baselines
+        self.defaults = _serve_defaults()
+        self.model_dir: Path | None = None
+        self.tokenizer = None  # scheduler_svc.tokenizer.Tokenizer of the local model copy, if any
+        self.model_info = None
+        self.run_prompts: list[list] = []  # per run index (warmups first): token-id lists or texts
+        self.run_offsets: list[list[float] | None] = []
+
+    def option(self, dest: str):
+        value = getattr(self.args, dest)
+        return self.defaults[dest] if value is None else value
+
+    @property
+    def num_runs(self) -> int:
+        return self.args.warmup_runs + self.args.repeat_runs
+
+    def run_label(self, engine: str, index: int) -> str:
+        w = self.args.warmup_runs
+        return f"{engine} warmup {index + 1}/{w}" if index < w else f"{engine} run {index - w + 1}/{self.args.repeat_runs}"
+
+    def progress(self, label: str):
+        from tqdm import tqdm
+
+        return tqdm(total=self.args.num_requests, desc=label, unit="req", file=sys.stderr, leave=False,
+                    disable=True if self.args.no_progress else None, dynamic_ncols=True)
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def resolve_local_model(self) -> None:
+        """The local copy of the model: for --serve, baselines, or when --model is given."""
+        args = self.args
+        if not (args.serve or self.baselines or args.model is not None):
+            return
+        from scheduler_svc.tokenizer import Tokenizer
+
+        given = Path(args.model).expanduser() if args.model is not None else None
+        if given is not None and (given / "config.json").is_file():
+            self.model_dir = given  # a model directory as is: no need to import torch here
+        else:
+            from worker_svc.weights import resolve_model_path  # converts a .gguf once (imports torch)
+
+            self.model_dir = resolve_model_path(args.model)
+        if (self.model_dir / "tokenizer.json").is_file():
+            self.tokenizer = Tokenizer(self.model_dir)
+        elif args.prompt is not None and self.baselines:
+            raise BenchError(f"--prompt with --baseline needs the model's tokenizer.json, not found in {self.model_dir}")
+
+    def build_workload(self) -> None:
+        """Every run's prompts (and Poisson send times), fixed before anything is measured."""
+        from pagewire.bench.loadgen import poisson_offsets, random_prompts, run_rng, text_prompts
+
+        args = self.args
+        info = self.model_info
+        n = args.num_requests
+        if args.prompt is not None:
+            prompts = text_prompts(n, args.prompt, args.prompt_repeats)
+            self.run_prompts = [prompts] * self.num_runs
+            if self.tokenizer is not None:
+                longest = max(len(self.tokenizer.encode(args.prompt * k)) for k in set(args.prompt_repeats))
+                self._check_length(longest)
+        else:
+            excluded = set(info.eos_token_ids)
+            vocab = info.vocab_size
+            if self.tokenizer is not None:
+                excluded |= self.tokenizer.special_token_ids
+                vocab = min(vocab, self.tokenizer.vocab_size)
+            self._check_length(args.prompt_len[1])
+            self.run_prompts = [
+                random_prompts(n, args.prompt_len, vocab, excluded, run_rng(args.seed, i, "prompts"))
+                for i in range(self.num_runs)
+            ]
+        if args.request_rate is not None:
+            self.run_offsets = [poisson_offsets(n, args.request_rate, run_rng(args.seed, i, "arrivals"))
+                                for i in range(self.num_runs)]
+        else:
+            self.run_offsets = [None] * self.num_runs
+
+    def _check_length(self, longest_prompt: int) -> None:
+        limit = self.model_info.max_model_len
+        if longest_prompt + self.args.max_new_tokens > limit:
+            raise BenchError(
+                f"the longest prompt ({longest_prompt} tokens) + --max-new-tokens ({self.args.max_new_tokens}) "
+                f"exceeds the served model's length limit of {limit} tokens"
+            )
+
+    # ---- ours ----------------------------------------------------------------------------------
+
+    async def run_ours(self, addr: str) -> list:
+        """Connect, build the workload, run warmups and measured runs; the measured runs' LoadResults."""
+        from pagewire.bench.loadgen import Client, ClientPool, ServerUnreachable, build_requests
+        from pagewire.client import make_sampling
+
+        args = self.args
+        client = Client(addr)
+        pool = None
+        try:
+            try:
+                self.model_info = await client.wait_ready(args.connect_timeout)
+                if args.client_processes > 1:
+                    pool = await asyncio.get_running_loop().run_in_executor(
+                        None, ClientPool, addr, args.client_processes
+                    )
+            except ServerUnreachable as e:
+                raise BenchError(str(e)) from None
+            self.check_model_matches()
+            self.build_workload()
+            sampling = make_sampling(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                                     ignore_eos=args.ignore_eos)
+            runner = pool or client
+            measured = []
+            for i in range(self.num_runs):
+                requests = build_requests(self.run_prompts[i], sampling)
+                label = self.run_label("pagewire", i)
+                with self.progress(label) as bar:
+                    result = await runner.run(
+                        requests,
+                        concurrency=args.concurrency,
+                        arrival_offsets=self.run_offsets[i],
+                        request_timeout=args.request_timeout,
+                        progress=bar,
+                    )
+                self.log_run(label, result.records, result.duration_s, result.client_cpu_fraction)
+                if i >= args.warmup_runs:
+                    measured.append(result)
+            return measured
+        finally:
+            if pool is not None:
+                pool.close()
+            await client.close()
+
+    def check_model_matches(self) -> None:
+        info = self.model_info
+        if self.baselines and self.model_dir is not None and info.model_name != self.model_dir.name:
+            print(f"pagewire bench: note: the server serves {info.model_name!r}; the baselines load "
+                  f"{self.model_dir} (pass --model to name the same model)", file=sys.stderr)
+
+    def log_run(self, label: str, records, duration: float, client_cpu: float | None = None) -> None:
+        from pagewire.bench.metrics import run_metrics
+
+        m = run_metrics(records, duration)
+        failed = f", {m.num_failed} failed ({', '.join(f'{k}: {v}' for k, v in m.errors.items())})" if m.num_failed else ""
+        cpu = "" if client_cpu is None else f", client CPU {client_cpu:.0%}"
+        print(f"{label}: {m.num_requests} requests in {duration:.3f}s, {m.completion_tokens_per_s:,.1f} output tok/s"
+              f"{cpu}{failed}", file=sys.stderr, flush=True)
+        if m.num_failed:
+            first = next(r for r in records if not r.ok)
+            print(f"  first failure: {first.error}: {first.error_message}", file=sys.stderr)
+
+    # ---- baselines -----------------------------------------------------------------------------
+
+    def baseline_options(self):
+        from pagewire.bench.baselines import BaselineOptions
+
+        args = self.args
+        info = self.model_info
+        return BaselineOptions(
+            model_dir=self.model_dir,
+            dtype=info.dtype or self.option("dtype"),
+            device=args.device,
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            seed=args.seed,
+            batch_size=args.baseline_batch_size,
+            block_size=info.block_size or self.option("block_size"),
+            num_kv_blocks=info.num_kv_blocks or None,
+            kv_cache_bytes=args.kv_cache_bytes,
+            max_num_batched_tokens=self.option("max_num_batched_tokens"),
+            max_num_seqs=self.option("max_num_seqs"),
+            prefix_cache=not args.no_prefix_cache,
+        )
+
+    def baseline_prompts(self, i: int) -> list[list[int]]:
+        prompts = self.run_prompts[i]
+        if prompts and isinstance(prompts[0], str):
+            return [self.tokenizer.encode(p) for p in prompts]
+        return prompts
+
+    def run_baselines(self):
+        from pagewire.bench.baselines import HFBaselines
+        from pagewire.bench.metrics import pooled_metrics, run_metrics
+        from pagewire.bench.report import EngineResult
+
+        args = self.args
+        print(f"loading {self.model_dir} with transformers for the baselines...", file=sys.stderr, flush=True)
+        hf = HFBaselines(self.baseline_options())
+        results = []
+        for name in self.baselines:
+            measured = []
+            for i in range(self.num_runs):
+                label = self.run_label(name, i)
+                prompts = self.baseline_prompts(i)
+                with self.progress(label) as bar:
+                    if name == "hf":
+                        records, duration = hf.run_static(prompts, progress=bar)
+                    else:
+                        records, duration = hf.run_continuous(
+                            prompts, concurrency=args.concurrency, arrival_offsets=self.run_offsets[i], progress=bar
+                        )
+                self.log_run(label, records, duration)
+                if i >= args.warmup_runs:
+                    measured.append((records, duration))
+            per_token = name != "hf"
+            details = hf.describe()
+            if name == "hf":
+                details["batch_size"] = args.baseline_batch_size
+            else:
+                cb = hf.last_cb_config
+                details["continuous_batching_config"] = {
+                    "page_size": cb.page_size, "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens,
+                    "max_requests_per_batch": cb.max_requests_per_batch, "allow_block_sharing": cb.allow_block_sharing,
+                }
+            results.append(EngineResult(
+                name=name,
+                runs=[run_metrics(r, d, per_token=per_token) for r, d in measured],
+                aggregate=pooled_metrics(measured, per_token=per_token),
+                records=[rec for r, _ in measured for rec in r],
+                per_token=per_token,
+                details=details,
+            ))
+        return results
+
+    # ---- report --------------------------------------------------------------------------------
+
+    def header(self, addr: str) -> list[str]:
+        args = self.args
+        info = self.model_info
+        mode = (f"concurrency {args.concurrency}" if args.concurrency is not None
+                else f"Poisson arrivals at {args.request_rate:g} req/s (seed {args.seed})")
+        if args.prompt is not None:
+            prompt = f"text prompt x {','.join(map(str, args.prompt_repeats))}"
+        else:
+            lo, hi = args.prompt_len
+            prompt = f"{lo} random tokens" if lo == hi else f"{lo}-{hi} random tokens"
+        sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+        eos = ", ignore EOS" if args.ignore_eos else ""
+        worker = " [null worker: no model math]" if args.worker == "null" else ""
+        return [
+            f"pagewire bench: {args.num_requests} requests x {args.repeat_runs} run(s) (+{args.warmup_runs} warmup), "
+            f"{mode}",
+            f"prompt: {prompt}; up to {args.max_new_tokens} new tokens{eos}; {sampling}",
+            f"server: {addr}{' (started by the bench)' if args.serve else ''}: {info.model_name}, {info.dtype} on "
+            f"{info.device}, {info.num_kv_blocks} KV blocks x {info.block_size}{worker}",
+        ]
+
+    def config_dict(self) -> dict:
+        args = self.args
+        keys = ("num_requests", "concurrency", "request_rate", "seed", "prompt_len", "prompt", "prompt_repeats",
+                "max_new_tokens", "ignore_eos", "temperature", "warmup_runs", "repeat_runs", "request_timeout",
+                "baselines", "baseline_batch_size", "serve", "worker", "client_processes")
+        out = {k: getattr(args, k) for k in keys}
+        out["prompt_len"] = list(args.prompt_len) if args.prompt_len else None
+        out["worker"] = args.worker or "model"
+        out["engine"] = {dest: self.option(dest) for _flag, dest, _kind in _PASSTHROUGH if dest != "worker"}
+        out["engine"]["model"] = str(self.model_dir) if self.model_dir else args.model
+        return out
+
+    def server_dict(self, addr: str) -> dict:
+        info = self.model_info
+        return {
+            "addr": addr,
+            "started_by_bench": bool(self.args.serve),
+            "model_info": {
+                "model_name": info.model_name, "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
+                "block_size": info.block_size, "num_kv_blocks": info.num_kv_blocks, "dtype": info.dtype,
+                "device": info.device, "eos_token_ids": list(info.eos_token_ids),
+            },
+        }
+
+    # ---- main ----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        from pagewire.bench.metrics import pooled_metrics, run_metrics
+        from pagewire.bench.report import EngineResult, environment, json_document, summary_text, write_json, write_plot
+
+        args = self.args
+        server = None
+        if args.serve:
+            addr = args.addr or f"127.0.0.1:{_free_port()}"
+            check_can_listen(addr)
+            server = ServedServer(serve_argv(args, addr), addr, args.server_log)
+        else:
+            addr = args.addr or DEFAULT_ADDR
+        self.resolve_local_model()
+        if server is not None:
+            print(f"pagewire bench: starting `pagewire serve` on {addr}...", file=sys.stderr, flush=True)
+        try:
+            if server is not None:
+                server.start(args.serve_timeout)
+            measured = asyncio.run(self.run_ours(addr))
+        finally:
+            if server is not None:
+                code = server.stop()
+                if code not in (0, None):
+                    print(f"pagewire bench: the server exited with code {code}; its last output:\n"
+                          f"{server.output_tail()}", file=sys.stderr)
+        cpu = [m.client_cpu_fraction for m in measured]
+        results = [EngineResult(
+            name="pagewire",
+            runs=[run_metrics(m.records, m.duration_s, client_cpu_fraction=m.client_cpu_fraction) for m in measured],
+            aggregate=pooled_metrics([(m.records, m.duration_s) for m in measured], client_cpu_fractions=cpu),
+            records=[rec for m in measured for rec in m.records],
+            details={"addr": addr, "client_processes": args.client_processes},
+        )]
+        if self.baselines:
+            results += self.run_baselines()
+            ours_tokens = results[0].aggregate.completion_tokens
+            for r in results[1:]:
+                if r.aggregate.completion_tokens != ours_tokens:
+                    print(f"pagewire bench: note: {r.name} produced {r.aggregate.completion_tokens} completion tokens, "
+                          f"pagewire {ours_tokens}{'' if args.ignore_eos else ' (use --ignore-eos to equalise)'}",
+                          file=sys.stderr)
+        header = self.header(addr)
+        sys.stdout.write(summary_text(results, header))
+        sys.stdout.flush()
+        if args.json:
+            doc = json_document(
+                results, argv=list(sys.argv), command_line=shlex.join(sys.argv), config=self.config_dict(),
+                server=self.server_dict(addr), env=environment(),
+            )
+            write_json(args.json, doc)
+            print(f"wrote {args.json}", file=sys.stderr)
+        if args.plot:
+            write_plot(args.plot, results, title=" | ".join(header[:2]))
+            print(f"wrote {args.plot}", file=sys.stderr)
+        busiest = results[0].aggregate.client_cpu_fraction
+        if busiest is not None and busiest > CLIENT_BUSY_WARNING:
+            print(f"pagewire bench: warning: the load generator was busy {busiest:.0%} of a run on its busiest "
+                  f"process ({args.client_processes} process(es)); it may have limited the measurement: try "
+                  f"--client-processes {args.client_processes * 2}", file=sys.stderr)
+        failed = sum(r.aggregate.num_failed for r in results)
+        if failed:
+            print(f"pagewire bench: {failed} request(s) failed; the figures count successful requests only",
+                  file=sys.stderr)
+            return 1
+        return 0
