@@ -257,8 +257,9 @@ def test_serve_answers_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
         ids, text, _ = collect(stub(f"127.0.0.1:{port}").Generate(pb.GenerateRequest(prompt="The river ", sampling=sampling(max_tokens=8))))
         assert ids and text
         serve.signal(signal.SIGTERM)
-        assert serve.proc.wait(20) == 0
+        code = serve.proc.wait(20)
         out = serve.output()
+        assert code == 0, out
         assert "shutting down" in out and "stopped" in out
         # no process left behind: the worker (its own session) is gone too
         import subprocess

@@ -93,26 +93,46 @@ class MainThreadExecutor:
 
     gRPC handlers run on pool threads, and torch's CPU kernels run markedly slower when driven
     from a thread other than the main one (1.5x here: OpenMP sets up a thread team per calling
-    thread). Handlers hand each call over and wait; the main thread does nothing else."""
+    thread). Handlers hand each call over and wait; the main thread does nothing else. Once the
+    main thread stops serving (shutdown), calls run in the caller's thread, so a handler that
+    cleans up late (``runner.reset`` when the stream ends) never waits on a loop that is gone."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
 
     def call(self, fn, *args):
-        done = futures.Future()
-        self._jobs.put((done, fn, args))
+        with self._lock:
+            if self._closed:
+                return fn(*args)
+            done = futures.Future()
+            self._jobs.put((done, fn, args))
         return done.result()
 
     def run_until(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                done, fn, args = self._jobs.get(timeout=0.1)
+                job = self._jobs.get(timeout=0.1)
             except queue.Empty:
                 continue
+            self._run(job)
+        with self._lock:
+            self._closed = True
+        while True:  # calls queued before closing still get their answer
             try:
-                done.set_result(fn(*args))
-            except BaseException as e:  # handed back to the calling handler
-                done.set_exception(e)
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            self._run(job)
+
+    @staticmethod
+    def _run(job) -> None:
+        done, fn, args = job
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # handed back to the calling handler
+            done.set_exception(e)
 
 
 def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int, ...], main_thread: MainThreadExecutor | None = None):
