@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcache.paged import AttentionMetadata, PagedKVCache
 from worker_svc.config import ModelConfig
+from worker_svc.models.base import CausalLM
 from worker_svc.layers import LayerNorm, PagedAttention, get_activation, load_weights_by_name
 
 # Conv1D modules: the checkpoint stores their weight as [in, out], nn.Linear wants [out, in].
@@ -64,14 +64,10 @@ class GPT2Model(nn.Module):
         self.ln_f = LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.transformer = GPT2Model(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # set by layers.cpu_linear.pack_linears_for_cpu for tied embeddings on CPU
-        self.packed_lm_head: nn.Module | None = None
 
     def forward(
         self,
@@ -85,14 +81,6 @@ class GPT2LMHeadModel(nn.Module):
         for i, block in enumerate(self.transformer.h):
             hidden = block(hidden, kv_cache.layer(i), meta)
         return self.transformer.ln_f(hidden[meta.logits_indices])
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32."""
-        if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.transformer.wte.weight).float()
 
     def tied_lm_head_weight(self) -> torch.Tensor:
         return self.transformer.wte.weight

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcache.paged import AttentionMetadata, PagedKVCache
 from worker_svc.config import ModelConfig
+from worker_svc.models.base import CausalLM
 from worker_svc.layers import (
     ActAndMul,
     MergedLinear,
@@ -98,15 +98,11 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model = LlamaModel(config)
         # Tied embeddings: logits use embed_tokens.weight directly (no second parameter to keep tied).
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # set by layers.cpu_linear.pack_linears_for_cpu for tied embeddings on CPU
-        self.packed_lm_head: nn.Module | None = None
 
     def forward(
         self,
@@ -122,14 +118,6 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, cos, sin, kv_cache.layer(i), meta)
         return self.model.norm(hidden[meta.logits_indices])
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32."""
-        if self.packed_lm_head is not None:
-            return self.packed_lm_head(hidden).float()
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     def tied_lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight
