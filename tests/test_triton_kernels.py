@@ -23,6 +23,7 @@ try:
     triton = pytest.importorskip("triton")
     from kvcache import paged
     from kvcache.paged import AttentionMetadata, paged_attention_ref, write_kv
+    from tests.test_paged import make_metadata
     from kvcache.triton_append import write_kv_triton
     from kvcache.triton_attention import _paged_attention_kernel, choose_num_splits, paged_attention_triton
 finally:
@@ -67,28 +68,7 @@ def make_batch(
         needed = -(-seq_len // block_size) - len(blocks)
         blocks = blocks + [free.pop() for _ in range(needed)]
         block_ids.append(blocks)
-    slots = [
-        blocks[pos // block_size] * block_size + pos % block_size
-        for q_len, seq_len, blocks in zip(query_lens, seq_lens, block_ids)
-        for pos in range(seq_len - q_len, seq_len)
-    ]
-    table = torch.zeros((len(seq_lens), max(len(b) for b in block_ids)), dtype=torch.int32)
-    for i, blocks in enumerate(block_ids):
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=table,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
-        logits_indices=torch.tensor([s - 1 for s in starts[1:]], dtype=torch.int64),
-    )
+    meta = make_metadata(query_lens, seq_lens, block_ids, block_size)
     return meta, block_ids
 
 
