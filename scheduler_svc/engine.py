@@ -187,7 +187,6 @@ class EngineCore:
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling=sampling,
-            arrival_index=0,
         )
         detok = None
         if self.tokenizer is not None:

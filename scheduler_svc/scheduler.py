@@ -38,7 +38,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self._next_step_id = 0
-        self._next_arrival = 0
         # sequences the worker holds state for that must be dropped in the next plan
         self._dropped_seq_ids: list[int] = []
         self.num_preemptions = 0
@@ -48,8 +47,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
-        seq.arrival_index = self._next_arrival
-        self._next_arrival += 1
         seq.status = SequenceStatus.WAITING
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)

@@ -35,7 +35,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    arrival_index: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -70,13 +69,5 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.token_ids)
