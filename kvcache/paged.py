@@ -235,7 +235,10 @@ def _chunk_attention(
     blocks = block_table[:num_blocks].long()
     kv = kv_layer.index_select(1, blocks).view(2, -1, num_kv_heads, head_dim)[:, :seq_len]  # [2, seq_len, Hkv, D]
     key, value = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [Hkv, seq_len, D]
-    q = query.transpose(0, 1)  # [H, q_len, D]
+    # 4-D with a batch of one: torch's fused CPU attention takes only 4-D inputs; 3-D ones (or GQA
+    # on them) fall back to the math path, which was 2-3x slower for a chunk deep into a prompt.
+    q = query.transpose(0, 1)[None]  # [1, H, q_len, D]
+    key, value = key[None], value[None]  # [1, Hkv, seq_len, D]
     if q_len == seq_len:
         out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -243,8 +246,8 @@ def _chunk_attention(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)  # [q_len, H, D]
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask[None, None], scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [q_len, H, D]
 
 
 def _decode_attention(
