@@ -58,6 +58,12 @@ class WorkerLost:
     message: str
 
 
+class _Held(list):
+    """A request's deltas held back by stream_interval, and how many tokens they carry."""
+
+    num_tokens: int = 0
+
+
 class EngineService:
     def __init__(self, worker_address: str, options: EngineOptions, on_health=None):
         self.worker_address = worker_address
@@ -65,7 +71,7 @@ class EngineService:
         self._on_health = on_health or (lambda serving: None)
         self._link: WorkerLink | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._held: dict[str, list[RequestOutput]] = {}  # deltas waiting for stream_interval
+        self._held: dict[str, _Held] = {}  # deltas waiting for stream_interval
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -253,15 +259,17 @@ class EngineService:
             elif interval == 1:
                 queue.put_nowait(out)
             elif request_id not in held:  # the first tokens go out at once (time to first token)
-                held[request_id] = []
+                held[request_id] = _Held()
                 queue.put_nowait(out)
             else:
                 pending = held[request_id]
                 pending.append(out)
-                if sum(len(o.token_ids) for o in pending) >= interval:
+                pending.num_tokens += len(out.token_ids)
+                if pending.num_tokens >= interval:
                     for earlier in pending:
                         queue.put_nowait(earlier)
                     pending.clear()
+                    pending.num_tokens = 0
 
     def _worker_lost(self, message: str) -> None:
         log.error("lost the worker: %s; failing in-flight requests and reconnecting", message)
