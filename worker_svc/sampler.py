@@ -3,7 +3,8 @@
 Sampling inverts each row's cumulative distribution at one uniform draw: the token is the first
 whose cumulative probability exceeds u * total. That draws from p exactly and needs one random
 number per row (the exponential race, argmax of p / E with E ~ Exp(1) per vocabulary entry,
-cost 37 ms for 32 rows of a 49k vocabulary on our CPU, more than a model step; this costs ~1 ms).
+38 ms for 32 rows of a 49k vocabulary on our CPU, more than a model step; this: 2.5 ms; see
+benchmarks/sampler_speed.py).
 For a seeded request the number comes from a generator seeded with (seed, position), so a
 seeded request gives the same tokens whatever else is in the batch and whether or not it was
 preempted and recomputed.
