@@ -4,6 +4,9 @@ FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEWIRE_CACHE_DIR=/cache
 WORKDIR /app
 
+# a C compiler: the worker builds its CPU attention kernel at first start (kvcache/cpu_kernels.py)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+
 # torch first and pinned, as in the Makefile (set TORCH_INDEX for a CUDA build)
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX=

@@ -124,23 +124,28 @@ def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, H, D] -> out [T, H, D] over the paged cache (H a multiple of Hkv).
 
-    The dispatch point: the Triton kernel on CUDA (see ``attention_backend``), the torch reference
-    everywhere else.
+    The dispatch point (see ``attention_backend``): the Triton kernel on CUDA, the C kernel
+    (kvcache/cpu_kernels.py) for float32/bfloat16 on CPU, the torch reference otherwise.
     """
     if _use_triton(query):
         return _triton_kernels().paged_attention(query, kv_layer, meta, scale)
+    cpu = _cpu_kernel_for(query, kv_layer)
+    if cpu is not None:
+        return cpu.paged_attention(query, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     return paged_attention_ref(query, kv_layer, meta, scale)
 
 
-_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 @functools.cache
 def attention_backend() -> str:
     """PAGEWIRE_ATTENTION_BACKEND, read once: ``auto`` (default: Triton kernels for CUDA tensors when
-    Triton imports, else the torch reference), ``torch`` (always the reference) or ``triton`` (always
-    the kernels; on CPU tensors they run under Triton's interpreter, which must be switched on with
-    TRITON_INTERPRET=1 before triton is imported; this is how tests exercise the dispatch).
+    Triton imports; the C kernel for float32/bfloat16 CPU tensors when it builds; else the torch
+    reference), ``torch`` (always the reference), ``triton`` (always the Triton kernels; on CPU
+    tensors they run under Triton's interpreter, which must be switched on with TRITON_INTERPRET=1
+    before triton is imported; this is how tests exercise the dispatch) or ``cpu`` (the C kernel
+    for CPU attention, an error when it cannot be built; the append stays torch's scatter).
     Tests that change the variable call ``attention_backend.cache_clear()``."""
     backend = envs.attention_backend()
     if backend not in _ATTENTION_BACKENDS:
@@ -153,6 +158,23 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     if backend == "auto":
         return tensor.is_cuda and _triton_kernels() is not None
     return backend == "triton"
+
+
+def _cpu_kernel_for(query: torch.Tensor, kv_layer: torch.Tensor):
+    """The C kernel when the backend picks it for these tensors, else None."""
+    backend = attention_backend()
+    if backend == "torch" or query.device.type != "cpu":
+        return None
+    from kvcache.cpu_kernels import kernels
+
+    cpu = kernels()
+    if backend == "cpu":
+        if cpu is None:
+            raise RuntimeError("PAGEWIRE_ATTENTION_BACKEND=cpu, but the CPU attention kernel could not be built (see the log)")
+        if not cpu.supports(query, kv_layer):
+            raise ValueError(f"PAGEWIRE_ATTENTION_BACKEND=cpu takes float32 or bfloat16, got {query.dtype}")
+        return cpu
+    return cpu if cpu is not None and cpu.supports(query, kv_layer) else None
 
 
 class _TritonKernels(NamedTuple):

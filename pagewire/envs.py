@@ -3,7 +3,7 @@
 | variable | meaning | default |
 | --- | --- | --- |
 | PAGEWIRE_CACHE_DIR | where converted GGUF models are cached | ~/.cache/pagewire |
-| PAGEWIRE_ATTENTION_BACKEND | auto, torch or triton (see kvcache.paged.attention_backend) | auto |
+| PAGEWIRE_ATTENTION_BACKEND | auto, torch, triton or cpu (see kvcache.paged.attention_backend) | auto |
 | PAGEWIRE_NVTX | 1: NVTX ranges around the worker step's phases (for Nsight) | off |
 | PAGEWIRE_LOG_LEVEL | default of --log-level | info |
 """

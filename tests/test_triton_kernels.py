@@ -194,10 +194,11 @@ def test_dispatch_follows_the_backend_variable(backend, monkeypatch):
     assert torch.equal(kv_triton, kv_ref)
     torch.testing.assert_close(paged.paged_attention(query, kv_triton, meta, 0.125), expected, atol=2e-5, rtol=0)
 
-    for value_ in ("auto", "torch"):  # CPU tensors: the reference
-        backend(value_)
-        with pytest.raises(AssertionError, match="reference"):
-            paged.paged_attention(query, kv_triton, meta, 0.125)
+    backend("torch")  # always the reference
+    with pytest.raises(AssertionError, match="reference"):
+        paged.paged_attention(query, kv_triton, meta, 0.125)
+    backend("auto")  # CPU tensors: the C kernel (tests/test_cpu_kernels.py checks that it builds here)
+    torch.testing.assert_close(paged.paged_attention(query, kv_triton, meta, 0.125), expected, atol=2e-5, rtol=0)
 
     backend("cuda")
     with pytest.raises(ValueError, match="PAGEWIRE_ATTENTION_BACKEND"):

@@ -1,0 +1,144 @@
+"""The C paged-attention kernel for CPU (kvcache/csrc) against the torch reference.
+
+It must build wherever a C compiler is on PATH (CI has one); it reads K/V in place through the
+block table, so the cases put blocks in shuffled order, share prefix blocks, roll chunks over
+block boundaries and run contexts long enough for the online softmax to rescale many times.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kvcache import cpu_kernels, paged
+from kvcache.paged import paged_attention, paged_attention_ref
+from tests.test_paged import make_metadata
+
+pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.CpuKernels:
+    built = cpu_kernels.kernels()
+    assert built is not None, "the CPU kernel did not build (see the log)"
+    return built
+
+
+def _batch(query_lens, seq_lens, block_size, num_kv_heads, group, dtype, *, shared_prefix_blocks=0, seed=0, spread=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3
+    free = (torch.randperm(num_blocks, generator=gen)).tolist()
+    block_ids = [[free.pop() for _ in range(n)] for n in needed]
+    if shared_prefix_blocks:
+        block_ids[1][:shared_prefix_blocks] = block_ids[0][:shared_prefix_blocks]
+    meta = make_metadata(query_lens, seq_lens, block_ids, block_size)
+    head_dim = 64
+    kv = (torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=gen) * spread).to(dtype)
+    query = (torch.randn((sum(query_lens), num_kv_heads * group, head_dim), generator=gen) * spread).to(dtype)
+    return query, kv, meta, head_dim**-0.5
+
+
+CASES = [
+    # (query_lens, seq_lens): decodes, a whole prompt, chunks deep into a context, block rollover
+    ([1, 1, 1, 1], [1, 2, 16, 17]),
+    ([7], [7]),
+    ([5, 1, 32, 1], [21, 16, 40, 300]),
+    ([1, 33, 1, 9, 1], [700, 64, 129, 9, 1]),
+]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (3, 3), (2, 4)])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference_fp32(kernel, block_size, num_kv_heads, group, case):
+    query_lens, seq_lens = CASES[case]
+    query, kv, meta, scale = _batch(query_lens, seq_lens, block_size, num_kv_heads, group, torch.float32, seed=case)
+    out = kernel.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    torch.testing.assert_close(out, paged_attention_ref(query, kv, meta, scale), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_matches_reference_bf16(kernel, block_size):
+    query_lens, seq_lens = [1, 33, 1, 9, 1], [700, 64, 129, 9, 1]
+    query, kv, meta, scale = _batch(query_lens, seq_lens, block_size, 3, 3, torch.bfloat16)
+    out = kernel.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    assert out.dtype == torch.bfloat16
+    expected = paged_attention_ref(query.float(), kv.float(), meta, scale)  # the same rounded inputs
+    # fp32 inside; one bf16 rounding of the output (relative 2^-9) apart from summation order
+    torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=8e-3)
+
+
+def test_shared_prefix_blocks_and_large_scores(kernel):
+    """Two sequences reading the same prefix blocks; scores spread wide enough that the running
+    max changes block after block (the rescaling path) and most weights underflow to 0."""
+    query, kv, meta, scale = _batch([20, 1], [200, 180], 16, 3, 3, torch.float32, shared_prefix_blocks=8, spread=6.0)
+    out = kernel.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    # Scores reach +-100 here, so any fp32 summation order is off by ~1e-4 in the output: hold the
+    # kernel to the float64 truth, and to no worse than the fp32 reference's own error.
+    truth = paged_attention_ref(query.double(), kv.double(), meta, scale)
+    kernel_error = (out.double() - truth).abs().max().item()
+    reference_error = (paged_attention_ref(query, kv, meta, scale).double() - truth).abs().max().item()
+    assert kernel_error < 5e-4 and kernel_error <= 2 * reference_error, (kernel_error, reference_error)
+
+
+def test_bad_metadata_is_an_error_and_writes_nothing(kernel):
+    query, kv, meta, scale = _batch([1, 4], [20, 4], 4, 1, 1, torch.float32)
+    tables = meta.block_tables.clone()
+    tables[0, 1] = kv.shape[1]  # one past the last block
+    with pytest.raises(ValueError, match="block table entry is outside the cache"):
+        kernel.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, tables, scale)
+    seq_lens = meta.seq_lens.clone()
+    seq_lens[1] = 3  # 4 query tokens, 3 of context
+    with pytest.raises(ValueError, match="more query tokens than context"):
+        kernel.paged_attention(query, kv, meta.query_start_loc, seq_lens, meta.block_tables, scale)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel.paged_attention(query.half(), kv.half(), meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+
+
+def test_loading_it_leaves_subnormals_alone(kernel):
+    """-ffast-math would link crtfastmath.o, which flushes subnormals to zero in the whole process."""
+    tiny = torch.tensor([1e-38], dtype=torch.float32) / 1000.0
+    assert tiny.item() != 0.0
+
+
+def test_build_is_cached_by_content(tmp_path):
+    compiler = cpu_kernels._compiler()
+    flags = cpu_kernels._FLAG_SETS[-1]
+    first = cpu_kernels._build(compiler, flags, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels._build(compiler, flags, tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+
+
+def test_backend_variable_selects_the_kernel(kernel, monkeypatch):
+    query, kv, meta, scale = _batch([3, 1], [19, 40], 16, 3, 3, torch.float32)
+    expected = paged_attention_ref(query, kv, meta, scale)
+    try:
+        monkeypatch.setenv("PAGEWIRE_ATTENTION_BACKEND", "cpu")
+        paged.attention_backend.cache_clear()
+        calls = []
+        monkeypatch.setattr(kernel, "paged_attention", lambda *a: calls.append(1) or expected)
+        assert paged_attention(query, kv, meta, scale) is expected and calls == [1]
+        with pytest.raises(ValueError, match="float32 or bfloat16"):
+            paged_attention(query.half(), kv.half(), meta, scale)
+        monkeypatch.setenv("PAGEWIRE_ATTENTION_BACKEND", "torch")
+        paged.attention_backend.cache_clear()
+        assert torch.equal(paged_attention(query, kv, meta, scale), expected) and calls == [1]
+    finally:
+        monkeypatch.delenv("PAGEWIRE_ATTENTION_BACKEND", raising=False)
+        paged.attention_backend.cache_clear()
+
+
+def test_no_compiler_falls_back_to_the_reference(monkeypatch, caplog):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    cpu_kernels.kernels.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="pagewire.worker"):
+            assert cpu_kernels.kernels() is None
+        assert "no C compiler found" in caplog.text
+    finally:
+        cpu_kernels.kernels.cache_clear()
