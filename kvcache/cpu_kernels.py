@@ -137,7 +137,7 @@ def _build(compiler: str, flags: list[str], out_dir: pathlib.Path) -> pathlib.Pa
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
         if proc.returncode:
             raise RuntimeError(proc.stderr.strip()[-2000:] or f"{compiler} exited with {proc.returncode}")
         os.replace(tmp, target)
