@@ -35,7 +35,7 @@ from pagewire import envs
 log = logging.getLogger("pagewire.worker")
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_paged_attention.c"
-_ABI = 1
+_ABI = 2
 # Reassociation lets the reductions vectorize. Not -ffast-math or -funsafe-math-optimizations: with
 # either, gcc links crtfastmath.o, which would turn on flush-to-zero for the whole process at load.
 _MATH = ["-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math", "-freciprocal-math"]
@@ -62,7 +62,7 @@ class CpuKernels:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+            fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
 
     def supports(self, query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         return query.device.type == "cpu" and query.dtype in self._fns and kv_layer.dtype == query.dtype
@@ -75,7 +75,12 @@ class CpuKernels:
         seq_lens: torch.Tensor,  # [S] int32
         block_tables: torch.Tensor,  # [S, max_blocks] int32
         scale: float,
+        max_query_len: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention for every query token, or, given ``max_query_len``, only for sequences with at
+        most that many query tokens: the rows of longer chunks in ``out`` are left as they are
+        (for the caller to fill)."""
         num_tokens, num_heads, head_dim = query.shape
         _, num_blocks, block_size, num_kv_heads, kv_dim = kv_layer.shape
         if kv_dim != head_dim:
@@ -90,11 +95,15 @@ class CpuKernels:
         query_start_loc = query_start_loc.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
         block_tables = block_tables.to(torch.int32).contiguous()
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
+        elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor shaped and typed like query")
         rc = self._fns[query.dtype](
             query.data_ptr(), kv_layer.data_ptr(), out.data_ptr(),
             query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale,
+            num_tokens if max_query_len is None else max_query_len,
         )  # fmt: skip
         if rc:
             raise ValueError(f"CPU paged attention: {_ERRORS.get(rc, f'error {rc}')}")

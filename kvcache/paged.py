@@ -131,8 +131,26 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
         return _triton_kernels().paged_attention(query, kv_layer, meta, scale)
     cpu = _cpu_kernel_for(query, kv_layer)
     if cpu is not None:
-        return cpu.paged_attention(query, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+        # Decodes (and short chunks) in C; longer prefill chunks in torch's fused SDPA, whose
+        # GEMM-shaped inner loops beat the kernel's per-query dot products from ~8 queries up.
+        out = cpu.paged_attention(
+            query, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            max_query_len=_CPU_KERNEL_MAX_QUERY_LEN,
+        )  # fmt: skip
+        start = 0
+        for seq, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if q_len > _CPU_KERNEL_MAX_QUERY_LEN:
+                out[start : start + q_len] = _chunk_attention(
+                    query[start : start + q_len], kv_layer, meta.block_tables[seq], seq_len, scale
+                )
+            start += q_len
+        return out
     return paged_attention_ref(query, kv_layer, meta, scale)
+
+
+# Sequences with at most this many query tokens go to the C kernel on CPU; the kernel and SDPA
+# break even at about 4 queries over a 500-token context (benchmarks/cpu_attention.py).
+_CPU_KERNEL_MAX_QUERY_LEN = 4
 
 
 _ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")

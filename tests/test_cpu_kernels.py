@@ -84,6 +84,18 @@ def test_shared_prefix_blocks_and_large_scores(kernel):
     assert kernel_error < 5e-4 and kernel_error <= 2 * reference_error, (kernel_error, reference_error)
 
 
+def test_max_query_len_leaves_longer_chunks_to_the_caller(kernel):
+    query, kv, meta, scale = _batch([1, 9, 4, 1], [30, 40, 4, 77], 16, 3, 3, torch.float32)
+    out = torch.full_like(query, float("nan"))
+    kernel.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, max_query_len=4, out=out)
+    expected = paged_attention_ref(query, kv, meta, scale)
+    chunk = slice(1, 10)  # the 9-token chunk: not computed
+    assert torch.isnan(out[chunk]).all()
+    rest = torch.ones(len(query), dtype=torch.bool)
+    rest[chunk] = False
+    torch.testing.assert_close(out[rest], expected[rest], atol=2e-6, rtol=1e-5)
+
+
 def test_bad_metadata_is_an_error_and_writes_nothing(kernel):
     query, kv, meta, scale = _batch([1, 4], [20, 4], 4, 1, 1, torch.float32)
     tables = meta.block_tables.clone()
@@ -120,7 +132,7 @@ def test_backend_variable_selects_the_kernel(kernel, monkeypatch):
         monkeypatch.setenv("PAGEWIRE_ATTENTION_BACKEND", "cpu")
         paged.attention_backend.cache_clear()
         calls = []
-        monkeypatch.setattr(kernel, "paged_attention", lambda *a: calls.append(1) or expected)
+        monkeypatch.setattr(kernel, "paged_attention", lambda *a, **kw: calls.append(1) or expected)
         assert paged_attention(query, kv, meta, scale) is expected and calls == [1]
         with pytest.raises(ValueError, match="float32 or bfloat16"):
             paged_attention(query.half(), kv.half(), meta, scale)

@@ -61,7 +61,8 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
          const int32_t *seq_lens,   /* [S] */                                                              \
          const int32_t *block_tables, int64_t block_table_stride, /* [S, stride] */                        \
          int64_t num_seqs, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,  \
-         int64_t num_blocks, int64_t block_size, float scale) {                                            \
+         int64_t num_blocks, int64_t block_size, float scale,                                              \
+         int64_t max_query_len /* longer chunks are skipped: their rows of out are not written */) {       \
     if (num_heads % num_kv_heads) return -1;                                                               \
     if (query_start_loc[0] != 0 || query_start_loc[num_seqs] != num_tokens) return -2;                     \
     for (int64_t s = 0; s < num_seqs; s++) {                                                               \
@@ -77,11 +78,17 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
     const int64_t group = num_heads / num_kv_heads;                                                        \
     const int64_t kv_half = num_blocks * block_size * num_kv_heads * head_dim; /* K to V offset */         \
     const int64_t row = num_kv_heads * head_dim;                                                           \
-    int64_t *token_seq = (int64_t *)malloc(sizeof(int64_t) * (num_tokens > 0 ? num_tokens : 1));          \
+    /* the query tokens this call computes, and their sequences */                                       \
+    int64_t *token_seq = (int64_t *)malloc(sizeof(int64_t) * 2 * (num_tokens > 0 ? num_tokens : 1));      \
     if (!token_seq) return -6;                                                                             \
+    int64_t *tokens = token_seq + (num_tokens > 0 ? num_tokens : 1), num_included = 0;                     \
     for (int64_t s = 0; s < num_seqs; s++)                                                                 \
-        for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) token_seq[t] = s;            \
-    const int64_t num_items = num_tokens * num_kv_heads;                                                   \
+        if (query_start_loc[s + 1] - query_start_loc[s] <= max_query_len)                                  \
+            for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) {                       \
+                token_seq[t] = s;                                                                          \
+                tokens[num_included++] = t;                                                                \
+            }                                                                                              \
+    const int64_t num_items = num_included * num_kv_heads;                                                 \
     int failed = 0;                                                                                        \
     _Pragma("omp parallel")                                                                                \
     {                                                                                                      \
@@ -93,7 +100,7 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
         _Pragma("omp for schedule(dynamic, 4)")                                                            \
         for (int64_t item = 0; item < num_items; item++) {                                                 \
             if (!scratch) continue;                                                                        \
-            const int64_t t = item / num_kv_heads, h = item % num_kv_heads, s = token_seq[t];             \
+            const int64_t t = tokens[item / num_kv_heads], h = item % num_kv_heads, s = token_seq[t];             \
             const int64_t seq_len = seq_lens[s];                                                           \
             const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                             \
             const int64_t pos = seq_len - q_len + (t - query_start_loc[s]); /* this query's position */    \
@@ -163,4 +170,4 @@ DEFINE_PAGED_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32)
 DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16)
 
 /* The ABI version kvcache/cpu_kernels.py expects; bump it when a signature changes. */
-int pagewire_cpu_kernels_abi(void) { return 1; }
+int pagewire_cpu_kernels_abi(void) { return 2; }
