@@ -178,6 +178,17 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     return backend == "triton"
 
 
+def prepare_cpu_attention(dtype: torch.dtype) -> str:
+    """Build (or load) the C kernel now, at worker start, if the dispatch will use it for CPU
+    tensors of ``dtype``, instead of during the first request. Returns the CPU attention path:
+    ``"C kernel"`` or ``"torch reference"`` (or ``"triton"`` when forced)."""
+    backend = attention_backend()
+    if backend in ("torch", "triton"):
+        return "torch reference" if backend == "torch" else "triton"
+    probe = torch.empty((1, 1, 1), dtype=dtype)
+    return "C kernel" if _cpu_kernel_for(probe, probe) is not None else "torch reference"
+
+
 def _cpu_kernel_for(query: torch.Tensor, kv_layer: torch.Tensor):
     """The C kernel when the backend picks it for these tensors, else None."""
     backend = attention_backend()

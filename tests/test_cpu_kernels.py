@@ -154,3 +154,16 @@ def test_no_compiler_falls_back_to_the_reference(monkeypatch, caplog):
         assert "no C compiler found" in caplog.text
     finally:
         cpu_kernels.kernels.cache_clear()
+
+
+def test_worker_start_reports_the_path(kernel, monkeypatch):
+    assert paged.prepare_cpu_attention(torch.float32) == "C kernel"
+    assert paged.prepare_cpu_attention(torch.bfloat16) == "C kernel"
+    assert paged.prepare_cpu_attention(torch.float16) == "torch reference"
+    try:
+        monkeypatch.setenv("PAGEWIRE_ATTENTION_BACKEND", "torch")
+        paged.attention_backend.cache_clear()
+        assert paged.prepare_cpu_attention(torch.float32) == "torch reference"
+    finally:
+        monkeypatch.delenv("PAGEWIRE_ATTENTION_BACKEND", raising=False)
+        paged.attention_backend.cache_clear()

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcache.paged import AttentionMetadata, PagedKVCache
+from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention
 from pagewire.plan import StepPlan, StepResult
 from pagewire.sampling import SamplingParams
 from worker_svc.block_table import BlockTables
@@ -116,6 +116,8 @@ class ModelRunner:
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
         if self.device.type == "cpu" and config.cpu_packed_linear:
             pack_linears_for_cpu(self.model)
+        if self.device.type == "cpu":
+            log.info("CPU attention: %s", prepare_cpu_attention(self.dtype))
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         num_blocks = config.num_kv_blocks
