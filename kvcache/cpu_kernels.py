@@ -64,8 +64,8 @@ class CpuKernels:
             fn.restype = ctypes.c_int
             fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
 
-    def supports(self, query: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-        return query.device.type == "cpu" and query.dtype in self._fns and kv_layer.dtype == query.dtype
+    def supports(self, dtype: torch.dtype) -> bool:
+        return dtype in self._fns
 
     def paged_attention(
         self,
@@ -85,7 +85,7 @@ class CpuKernels:
         _, num_blocks, block_size, num_kv_heads, kv_dim = kv_layer.shape
         if kv_dim != head_dim:
             raise ValueError(f"query head_dim {head_dim} != cache head_dim {kv_dim}")
-        if not self.supports(query, kv_layer):
+        if query.device.type != "cpu" or not self.supports(query.dtype) or kv_layer.dtype != query.dtype:
             raise ValueError(f"the CPU kernel takes float32 or bfloat16 CPU tensors, got {query.dtype}/{kv_layer.dtype}")
         num_seqs = seq_lens.shape[0]
         if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:

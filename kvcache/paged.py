@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvcache import cpu_kernels
 from pagewire import envs
 
 
@@ -129,7 +130,7 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
     """
     if _use_triton(query):
         return _triton_kernels().paged_attention(query, kv_layer, meta, scale)
-    cpu = _cpu_kernel_for(query, kv_layer)
+    cpu = _cpu_kernel_for(query.device, query.dtype)
     if cpu is not None:
         # Decodes (and short chunks) in C; longer prefill chunks in torch's fused SDPA, whose
         # GEMM-shaped inner loops beat the kernel's per-query dot products from ~8 queries up.
@@ -137,13 +138,7 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
             query, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             max_query_len=_CPU_KERNEL_MAX_QUERY_LEN,
         )  # fmt: skip
-        start = 0
-        for seq, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if q_len > _CPU_KERNEL_MAX_QUERY_LEN:
-                out[start : start + q_len] = _chunk_attention(
-                    query[start : start + q_len], kv_layer, meta.block_tables[seq], seq_len, scale
-                )
-            start += q_len
+        _attend_chunks(query, kv_layer, meta, scale, out, longer_than=_CPU_KERNEL_MAX_QUERY_LEN)
         return out
     return paged_attention_ref(query, kv_layer, meta, scale)
 
@@ -185,25 +180,22 @@ def prepare_cpu_attention(dtype: torch.dtype) -> str:
     backend = attention_backend()
     if backend in ("torch", "triton"):
         return "torch reference" if backend == "torch" else "triton"
-    probe = torch.empty((1, 1, 1), dtype=dtype)
-    return "C kernel" if _cpu_kernel_for(probe, probe) is not None else "torch reference"
+    return "C kernel" if _cpu_kernel_for(torch.device("cpu"), dtype) is not None else "torch reference"
 
 
-def _cpu_kernel_for(query: torch.Tensor, kv_layer: torch.Tensor):
-    """The C kernel when the backend picks it for these tensors, else None."""
+def _cpu_kernel_for(device: torch.device, dtype: torch.dtype) -> cpu_kernels.CpuKernels | None:
+    """The C kernel when the backend picks it for tensors on ``device`` of ``dtype``, else None."""
     backend = attention_backend()
-    if backend == "torch" or query.device.type != "cpu":
+    if backend == "torch" or device.type != "cpu":
         return None
-    from kvcache.cpu_kernels import kernels
-
-    cpu = kernels()
+    cpu = cpu_kernels.kernels()
     if backend == "cpu":
         if cpu is None:
             raise RuntimeError("PAGEWIRE_ATTENTION_BACKEND=cpu, but the CPU attention kernel could not be built (see the log)")
-        if not cpu.supports(query, kv_layer):
-            raise ValueError(f"PAGEWIRE_ATTENTION_BACKEND=cpu takes float32 or bfloat16, got {query.dtype}")
+        if not cpu.supports(dtype):
+            raise ValueError(f"PAGEWIRE_ATTENTION_BACKEND=cpu takes float32 or bfloat16, got {dtype}")
         return cpu
-    return cpu if cpu is not None and cpu.supports(query, kv_layer) else None
+    return cpu if cpu is not None and cpu.supports(dtype) else None
 
 
 class _TritonKernels(NamedTuple):
@@ -241,26 +233,14 @@ def paged_attention_ref(
     longer chunks run one by one. Keys are gathered whole blocks at a time (contiguous copies, much
     faster than per-slot gathers) and positions past seq_len are masked.
     """
-    num_tokens, num_heads, head_dim = query.shape
+    num_heads = query.shape[1]
     num_kv_heads = kv_layer.shape[-2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     out = torch.empty_like(query)
-
-    decode_seqs: list[int] = []
-    decode_rows: list[int] = []
-    start = 0
-    for seq, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if q_len == 1:
-            decode_seqs.append(seq)
-            decode_rows.append(start)
-        elif q_len > 1:
-            out[start : start + q_len] = _chunk_attention(
-                query[start : start + q_len], kv_layer, meta.block_tables[seq], seq_len, scale
-            )
-        start += q_len
-    if start != num_tokens:
-        raise ValueError(f"query has {num_tokens} tokens but the metadata schedules {start}")
+    starts = _attend_chunks(query, kv_layer, meta, scale, out, longer_than=1)
+    decode_seqs = [seq for seq, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+    decode_rows = [starts[seq] for seq in decode_seqs]
 
     if decode_seqs:
         seq_lens = [meta.seq_lens_cpu[s] for s in decode_seqs]
@@ -271,6 +251,25 @@ def paged_attention_ref(
                 query[rows], kv_layer, meta.block_tables, decode_seqs[g : g + per_group], seq_lens[g : g + per_group], scale
             )
     return out
+
+
+def _attend_chunks(
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor, longer_than: int
+) -> list[int]:
+    """Fill ``out`` for every sequence with more than ``longer_than`` query tokens, one chunk at a
+    time; returns each sequence's first query row."""
+    starts = []
+    start = 0
+    for seq, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        starts.append(start)
+        if q_len > longer_than:
+            out[start : start + q_len] = _chunk_attention(
+                query[start : start + q_len], kv_layer, meta.block_tables[seq], seq_len, scale
+            )
+        start += q_len
+    if start != query.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} tokens but the metadata schedules {start}")
+    return starts
 
 
 def _chunk_attention(
