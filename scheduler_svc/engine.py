@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvcache.allocator import BlockAllocator
@@ -17,7 +17,7 @@ from pagewire.plan import StepPlan, StepResult
 from pagewire.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -75,8 +75,11 @@ class _Request:
     request_id: str
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
+    # stop strings are looked for as each token arrives; other requests are detokenized only
+    # when a delta goes out
+    detokenize_each_token: bool = False
     num_streamed_tokens: int = 0
-    outputs: list = field(default_factory=list)
+    held_text: str = ""  # text decoded token by token and not yet in a delta
 
 
 class EngineCore:
@@ -88,7 +91,11 @@ class EngineCore:
         worker_info: WorkerInfo,
         executor: Executor,
         tokenizer: Tokenizer | None = None,
+        *,
+        stream_interval: int = 1,
     ):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         # A sequence must fit in the cache on its own, or preemption could never make room.
         capacity = worker_info.num_kv_blocks * worker_info.block_size
         max_model_len = min(config.max_model_len, worker_info.max_model_len, capacity)
@@ -104,6 +111,9 @@ class EngineCore:
         self.worker_info = worker_info
         self.executor = executor
         self.tokenizer = tokenizer
+        # after a request's first delta, the next one waits until this many tokens are ready
+        # (or the request ends): fewer, larger messages for streaming clients
+        self.stream_interval = stream_interval
         self.allocator = BlockAllocator(
             worker_info.num_kv_blocks, worker_info.block_size, config.enable_prefix_caching
         )
@@ -191,7 +201,7 @@ class EngineCore:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer.for_prompt(self.tokenizer, len(token_ids), sampling.stop)
-        req = _Request(request_id, seq, detok)
+        req = _Request(request_id, seq, detok, detokenize_each_token=detok is not None and bool(sampling.stop))
         self.scheduler.add(seq)
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
@@ -226,13 +236,26 @@ class EngineCore:
         return plan
 
     def process_result(self, result: StepResult) -> list[RequestOutput]:
-        """Apply a step result: stop checks, detokenization, one delta per request."""
+        """Apply a step result: stop checks, detokenization, and a delta for each request that
+        got its first token, finished, or has ``stream_interval`` tokens not yet streamed."""
         outputs: list[RequestOutput] = []
+        by_seq = self._by_seq
+        interval = self.stream_interval
         for seq in self.scheduler.update(result):
-            req = self._by_seq.get(seq.seq_id)
+            req = by_seq.get(seq.seq_id)
             if req is None:
                 continue
-            outputs.append(self._make_output(req))
+            if req.detokenize_each_token:
+                req.held_text += req.detokenizer.update(seq.token_ids, is_final=seq.is_finished)
+                if req.detokenizer.stopped and not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+            streamed = req.num_streamed_tokens
+            if (
+                seq.status is SequenceStatus.FINISHED
+                or not streamed
+                or len(seq.token_ids) - seq.num_prompt_tokens - streamed >= interval
+            ):
+                outputs.append(self._make_output(req))
         return outputs
 
     def step(self) -> list[RequestOutput]:
@@ -288,11 +311,12 @@ class EngineCore:
         if seq.sampling.logprobs:
             new_logprobs = seq.logprobs[req.num_streamed_tokens :]
         req.num_streamed_tokens += len(new_ids)
-        text = ""
-        if req.detokenizer is not None:
+        if req.detokenize_each_token:
+            text, req.held_text = req.held_text, ""
+        elif req.detokenizer is not None:
             text = req.detokenizer.update(seq.token_ids, is_final=seq.is_finished)
-            if req.detokenizer.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
+        else:
+            text = ""
         out = RequestOutput(req.request_id, new_ids, text, seq.finish_reason, new_logprobs)
         if seq.is_finished:
             out.usage = Usage(

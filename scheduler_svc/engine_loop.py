@@ -58,12 +58,6 @@ class WorkerLost:
     message: str
 
 
-class _Held(list):
-    """A request's deltas held back by stream_interval, and how many tokens they carry."""
-
-    num_tokens: int = 0
-
-
 class EngineService:
     def __init__(self, worker_address: str, options: EngineOptions, on_health=None):
         self.worker_address = worker_address
@@ -71,7 +65,6 @@ class EngineService:
         self._on_health = on_health or (lambda serving: None)
         self._link: WorkerLink | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._held: dict[str, _Held] = {}  # deltas waiting for stream_interval
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -125,7 +118,6 @@ class EngineService:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks are freed now; the worker drops it in the next plan."""
-        self._held.pop(request_id, None)
         if self._queues.pop(request_id, None) is not None and self.engine is not None:
             if self.engine.abort(request_id):
                 self.num_aborted += 1
@@ -208,7 +200,7 @@ class EngineService:
         )
         if self.engine is not None:
             self.num_preemptions += self.engine.scheduler.num_preemptions
-        self.engine = EngineCore(config, worker_info, None, tokenizer)
+        self.engine = EngineCore(config, worker_info, None, tokenizer, stream_interval=opts.stream_interval)
         self.tokenizer = tokenizer
         self.worker_info = worker_info
         self.connected.set()
@@ -241,35 +233,16 @@ class EngineService:
                 await asyncio.sleep(0.001)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Put deltas on their requests' queues. With stream_interval N > 1, a request's deltas
-        after its first are held until N tokens are ready or it finishes, so its handler wakes
-        and writes once per N tokens."""
-        queues, held, interval = self._queues, self._held, self.options.stream_interval
+        """Put deltas on their requests' queues (the engine already applied stream_interval)."""
+        queues = self._queues
         for out in outputs:
-            request_id = out.request_id
-            queue = queues.get(request_id)
+            queue = queues.get(out.request_id)
             if queue is None:
                 continue
             if out.finished:
-                del queues[request_id]
+                del queues[out.request_id]
                 self.num_finished += 1
-                for earlier in held.pop(request_id, ()):
-                    queue.put_nowait(earlier)
-                queue.put_nowait(out)
-            elif interval == 1:
-                queue.put_nowait(out)
-            elif request_id not in held:  # the first tokens go out at once (time to first token)
-                held[request_id] = _Held()
-                queue.put_nowait(out)
-            else:
-                pending = held[request_id]
-                pending.append(out)
-                pending.num_tokens += len(out.token_ids)
-                if pending.num_tokens >= interval:
-                    for earlier in pending:
-                        queue.put_nowait(earlier)
-                    pending.clear()
-                    pending.num_tokens = 0
+            queue.put_nowait(out)
 
     def _worker_lost(self, message: str) -> None:
         log.error("lost the worker: %s; failing in-flight requests and reconnecting", message)
@@ -281,7 +254,6 @@ class EngineService:
             self.engine.reset()
             self.engine.scheduler.num_preemptions = 0
         queues, self._queues = self._queues, {}
-        self._held.clear()
         lost = WorkerLost(f"worker unavailable: {message}")
         for queue in queues.values():
             queue.put_nowait(lost)

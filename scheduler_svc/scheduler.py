@@ -17,7 +17,6 @@ from pagewire.plan import NewSequence, RunningSequence, StepPlan, StepResult
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 
-
 _NO_GROWTH = AppendResult(block_table_start=0, block_ids=[], copies=[])
 
 
@@ -41,6 +40,8 @@ class Scheduler:
         # sequences the worker holds state for that must be dropped in the next plan
         self._dropped_seq_ids: list[int] = []
         self.num_preemptions = 0
+        self._caching = allocator.enable_prefix_caching
+        self._block_size = allocator.block_size
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -48,6 +49,10 @@ class Scheduler:
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
         seq.status = SequenceStatus.WAITING
+        params = seq.sampling
+        stops = frozenset(params.stop_token_ids)
+        seq.stop_token_set = stops if params.ignore_eos else stops | self.eos_token_ids
+        seq.max_num_tokens = min(seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -95,36 +100,47 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
         preempted = False
+        running = self.running
+        running_diffs = plan.running_seqs
+        allocator = self.allocator
 
         # Running sequences first, oldest first: decodes and the rest of chunked prompts.
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_with_pending(seq):
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            pending = seq.num_pending_tokens
+            num_tokens = len(seq.token_ids) + pending
+            num_new = num_tokens - seq.num_computed_tokens
+            # nothing to compute, or a token still in flight already ends the sequence (another
+            # one would only be thrown away)
+            if num_new <= 0 or (pending and num_tokens >= seq.max_num_tokens):
                 i += 1
                 continue
-            grown = self._grow(seq, seq.num_computed_tokens + num_new)
-            while grown is None:
-                # Out of blocks: preempt the newest running sequence (maybe this one).
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-                grown = self._grow(seq, seq.num_computed_tokens + num_new)
-            if grown is None:
-                break  # seq itself was preempted, and it was the newest: nothing after it
-            plan.block_copies.extend(grown.copies)
-            if seq.is_known_to_worker:
-                diff = RunningSequence(seq_id=seq.seq_id, num_scheduled_tokens=num_new)
-                if grown.block_ids:
-                    diff.block_table_start = grown.block_table_start
-                    diff.block_ids = list(grown.block_ids)
-                plan.running_seqs.append(diff)
-            scheduled.append((seq, num_new))
+            num_new = min(num_new, budget)
+            target = seq.num_computed_tokens + num_new
+            if target <= seq.num_slot_tokens:  # a prompt's later chunk: its blocks exist
+                grown = _NO_GROWTH
+            else:
+                grown = allocator.append_slots(seq.seq_id, target)
+                while grown is None:
+                    # Out of blocks: preempt the newest running sequence (maybe this one).
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                    grown = allocator.append_slots(seq.seq_id, target)
+                if grown is None:
+                    break  # seq itself was preempted, and it was the newest: nothing after it
+                seq.num_slot_tokens = target
+            diff = RunningSequence(seq.seq_id, num_new)
+            if grown.block_ids:
+                diff.block_table_start = grown.block_table_start
+                diff.block_ids = list(grown.block_ids)
+                plan.block_copies.extend(grown.copies)
+            running_diffs.append(diff)
+            self._advance(seq, num_new)
             budget -= num_new
             i += 1
 
@@ -133,17 +149,17 @@ class Scheduler:
             not preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break  # preempted while a step was in flight: wait for that token first
-            allocation = self.allocator.allocate(seq.seq_id, seq.token_ids)
+            allocation = allocator.allocate(seq.seq_id, seq.token_ids)
             if allocation is None:
                 break  # head of line waits for blocks; later arrivals do not overtake it
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            running.append(seq)
             seq.num_computed_tokens = allocation.num_cached_tokens
             seq.num_slot_tokens = len(seq.token_ids)
             if seq.num_cached_prompt_tokens is None:
@@ -161,78 +177,51 @@ class Scheduler:
                 )
             )
             seq.is_known_to_worker = True
-            scheduled.append((seq, num_new))
+            self._advance(seq, num_new)
             budget -= num_new
-
-        caching = self.allocator.enable_prefix_caching
-        block_size = self.allocator.block_size
-        for seq, num_new in scheduled:
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.num_pending_tokens += 1  # the worker samples a token this step
-            if caching:
-                known = min(seq.num_computed_tokens, len(seq.token_ids))
-                if known // block_size > seq.num_hashed_blocks:  # a block filled up
-                    self.allocator.cache_blocks(seq.seq_id, seq.token_ids, known)
-                    seq.num_hashed_blocks = known // block_size
 
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         return plan
+
+    def _advance(self, seq: Sequence, num_new: int) -> None:
+        """Count a scheduled slice as computed (the plan is sent before its result arrives)."""
+        computed = seq.num_computed_tokens + num_new
+        seq.num_computed_tokens = computed
+        num_known = len(seq.token_ids)
+        if computed == num_known + seq.num_pending_tokens:
+            seq.num_pending_tokens += 1  # the worker samples a token this step
+        if self._caching and computed // self._block_size > seq.num_hashed_blocks:
+            # a block filled up: offer it to the prefix cache
+            known = min(computed, num_known)
+            if known // self._block_size > seq.num_hashed_blocks:
+                self.allocator.cache_blocks(seq.seq_id, seq.token_ids, known)
+                seq.num_hashed_blocks = known // self._block_size
 
     def update(self, result: StepResult) -> list[Sequence]:
         """Apply a step's sampled tokens. Returns the sequences that received a token (finished
         ones included, with ``finish_reason`` set). Tokens for sequences that finished or were
         aborted after the plan was sent are dropped."""
         touched: list[Sequence] = []
+        seqs = self.seqs
         logprobs = result.logprobs
         for i, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.token_ids)):
-            seq = self.seqs.get(seq_id)
+            seq = seqs.get(seq_id)
             if seq is None or seq.num_pending_tokens == 0:
                 continue
             seq.num_pending_tokens -= 1
-            seq.token_ids.append(token_id)
+            tokens = seq.token_ids
+            tokens.append(token_id)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])
             touched.append(seq)
-            reason = self._check_stop(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason)
+            if token_id in seq.stop_token_set:
+                self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos) or a stop token id
+            elif len(tokens) >= seq.max_num_tokens:
+                self.finish(seq, FinishReason.LENGTH)  # max_tokens or the model length
         return touched
 
     # ---- internals ----------------------------------------------------------------------
-
-    def _ends_with_pending(self, seq: Sequence) -> bool:
-        """A token still in flight already reaches max_tokens or the model length: computing
-        another would only be thrown away."""
-        if not seq.num_pending_tokens:
-            return False
-        return (
-            seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
-        )
-
-    def _check_stop(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        params = seq.sampling
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if len(seq.token_ids) >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _grow(self, seq: Sequence, num_tokens: int) -> AppendResult | None:
-        """Make the sequence's blocks hold ``num_tokens`` tokens (a prompt's blocks were all
-        allocated at admission, so its chunks need nothing new)."""
-        if num_tokens <= seq.num_slot_tokens:
-            return _NO_GROWTH
-        grown = self.allocator.append_slots(seq.seq_id, num_tokens)
-        if grown is not None:
-            seq.num_slot_tokens = num_tokens
-        return grown
 
     def _release(self, seq: Sequence) -> None:
         if self.allocator.has_seq(seq.seq_id):
