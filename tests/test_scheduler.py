@@ -352,3 +352,50 @@ def test_overlap_preemption_and_aborts():
     # the worker was told to drop every sequence it was given
     dropped = {sid for plan in worker.plans for sid in plan.finished_seq_ids}
     assert not set(worker.seqs) - dropped or not worker.seqs
+
+
+@pytest.mark.parametrize("interval", [2, 5, 64])
+def test_stream_interval_groups_deltas_without_changing_outputs(smollm2_dir, interval):
+    """EngineCore applies stream_interval: the first token goes out alone, then one delta per
+    `interval` tokens, and the last delta at the end. Tokens, text, stop strings, stop tokens and
+    finish reasons are what interval 1 gives, token for token and character for character."""
+    from scheduler_svc.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)  # the fake worker's token ids (< 1000) are all in its vocabulary
+    prompts = make_prompts(4, seed=21, lengths=[6, 9, 13, 30])
+    ref = [reference_tokens(p, 60) for p in prompts]
+    text1 = tok.decode(ref[1][:40])
+    stop = text1[len(tok.decode(ref[1][:25])) :][:3]  # a stop string that first appears mid-stream
+    params = [
+        SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[ref[2][10]]),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+    ]
+
+    def run(stream_interval):
+        engine, _ = make_engine(num_blocks=256, budget=32)
+        engine.tokenizer = tok
+        engine.stream_interval = stream_interval
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
+        deltas = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for o in engine.step():
+                deltas[o.request_id].append(o)
+        assert_all_free(engine)
+        return [deltas[f"r{i}"] for i in range(len(prompts))]
+
+    base, grouped = run(1), run(interval)
+    for one, many in zip(base, grouped):
+        assert [t for d in many for t in d.token_ids] == [t for d in one for t in d.token_ids]
+        assert "".join(d.text for d in many) == "".join(d.text for d in one)
+        assert many[-1].finish_reason is one[-1].finish_reason and many[-1].usage == one[-1].usage
+        assert all(not d.finished for d in many[:-1])
+        sizes = [len(d.token_ids) for d in many]
+        assert sizes[0] == 1  # time to first token is not delayed
+        assert all(n == interval for n in sizes[1:-1]) and 1 <= sizes[-1] <= max(interval, 1)
+    stopped = "".join(d.text for d in grouped[1])
+    assert grouped[1][-1].finish_reason is FinishReason.STOP and stop not in stopped
+    assert len([t for d in grouped[1] for t in d.token_ids]) < 40  # ended at the stop string
+    assert grouped[2][-1].finish_reason is FinishReason.STOP
