@@ -39,7 +39,7 @@ def new_seq(seq_id, token_ids, block_ids, num_scheduled, num_computed=0) -> NewS
 def test_interface_matches_what_the_worker_server_uses(runner, model_dir):
     from worker_svc.server import WorkerServicer
 
-    info = WorkerServicer(runner, "tiny", tuple(runner.model_config.eos_token_ids)).Info(None, None)
+    info = WorkerServicer(runner, "tiny", tuple(runner.model_config.eos_token_ids)).info_response()
     assert info.model_type == "llama"
     assert (info.block_size, info.num_kv_blocks) == (BLOCK_SIZE, NUM_BLOCKS)
     assert info.max_model_len == 256
@@ -198,30 +198,3 @@ def test_serves_through_the_real_scheduler(model_dir, tmp_path):
         if scheduler is not None:
             scheduler.stop()
         worker.stop()
-
-
-def test_main_thread_executor_runs_calls_and_never_strands_a_late_caller():
-    import threading
-
-    from worker_svc.server import MainThreadExecutor
-
-    executor = MainThreadExecutor()
-    stop = threading.Event()
-    results = []
-    caller = threading.Thread(target=lambda: results.append(executor.call(lambda x: (x, threading.current_thread().name), 7)))
-    loop = threading.Thread(target=executor.run_until, args=(stop,), name="executor-loop")
-    loop.start()
-    caller.start()
-    caller.join(5)
-    assert results == [(7, "executor-loop")]  # ran on the executor's thread
-    stop.set()
-    loop.join(5)
-    assert not loop.is_alive()
-    # after shutdown a late call (a stream's cleanup) runs in its own thread instead of hanging
-    assert executor.call(lambda: threading.current_thread().name) == threading.current_thread().name
-    err = None
-    try:
-        executor.call(lambda: 1 / 0)
-    except ZeroDivisionError as e:
-        err = e
-    assert err is not None

@@ -1,12 +1,18 @@
-"""The worker's gRPC service: ``Info`` and the long-lived ``Execute`` stream of step plans."""
+"""The worker's gRPC service: ``Info`` and the long-lived ``Execute`` stream of step plans.
+
+It runs on grpc.aio with the event loop on the process's main thread, and executes each plan
+inline on that thread: there is one scheduler and one plan at a time, so nothing else needs the
+loop during a step, and no step ever crosses a thread. (torch's CPU kernels also run markedly
+slower when driven from a thread other than the main one: 1.5x here, as OpenMP sets up a thread
+team per calling thread.) gRPC's core keeps answering keepalive pings from its own poller
+thread while a step runs.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
-import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -34,18 +40,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     (re)connected scheduler with fresh block accounting, so per-sequence state starts empty;
     a second concurrent stream is refused with FAILED_PRECONDITION."""
 
-    def __init__(self, runner, model_name: str, eos_token_ids: tuple[int, ...], main_thread: "MainThreadExecutor | None" = None):
+    def __init__(self, runner, model_name: str, eos_token_ids: tuple[int, ...]):
         self.runner = runner
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids
-        self.main_thread = main_thread
-        self._stream_lock = threading.Lock()
+        self._connected = False
         self.num_steps = 0
 
-    def _run(self, fn, *args):
-        return self.main_thread.call(fn, *args) if self.main_thread is not None else fn(*args)
-
-    def Info(self, request, context):
+    def info_response(self) -> worker_pb2.InfoResponse:
         mc = self.runner.model_config
         files = {}
         for name in TOKENIZER_FILES:
@@ -67,79 +69,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokenizer_files=files,
         )
 
-    def Execute(self, request_iterator, context):
-        if not self._stream_lock.acquire(blocking=False):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is already connected")
+    async def Info(self, request, context):
+        return self.info_response()
+
+    async def Execute(self, request_iterator, context):
+        if self._connected:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is already connected")
+        self._connected = True
+        runner = self.runner
         try:
-            self._run(self.runner.reset)
+            runner.reset()
             log.info("scheduler connected (%s)", context.peer())
-            for plan_msg in request_iterator:
+            async for plan_msg in request_iterator:
                 plan = wire.plan_from_pb(plan_msg)
                 try:
-                    result = self._run(self.runner.execute, plan)
+                    result = runner.execute(plan)  # inline: the loop has nothing else to do
                 except (KeyError, ValueError) as e:  # a plan that contradicts our state
                     log.error("bad step plan %d: %s", plan.step_id, e)
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
                 self.num_steps += 1
                 yield wire.result_to_pb(result)
         finally:
-            self._run(self.runner.reset)
-            self._stream_lock.release()
+            runner.reset()
+            self._connected = False
             log.info("scheduler disconnected")
 
 
-class MainThreadExecutor:
-    """Runs the worker's steps on the process's main thread.
-
-    gRPC handlers run on pool threads, and torch's CPU kernels run markedly slower when driven
-    from a thread other than the main one (1.5x here: OpenMP sets up a thread team per calling
-    thread). Handlers hand each call over and wait; the main thread does nothing else. Once the
-    main thread stops serving (shutdown), calls run in the caller's thread, so a handler that
-    cleans up late (``runner.reset`` when the stream ends) never waits on a loop that is gone."""
-
-    def __init__(self):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def call(self, fn, *args):
-        with self._lock:
-            if self._closed:
-                return fn(*args)
-            done = futures.Future()
-            self._jobs.put((done, fn, args))
-        return done.result()
-
-    def run_until(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                job = self._jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._run(job)
-        with self._lock:
-            self._closed = True
-        while True:  # calls queued before closing still get their answer
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            self._run(job)
-
-    @staticmethod
-    def _run(job) -> None:
-        done, fn, args = job
-        try:
-            done.set_result(fn(*args))
-        except BaseException as e:  # handed back to the calling handler
-            done.set_exception(e)
-
-
-def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int, ...], main_thread: MainThreadExecutor | None = None):
-    """A started gRPC server for ``runner`` on ``listen`` (host:port or unix:PATH); returns
-    (server, bound port, health servicer)."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4),
+async def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int, ...]):
+    """A started grpc.aio server for ``runner`` on ``listen`` (host:port or unix:PATH); returns
+    (server, bound port, health servicer). Call from the event loop that will serve it."""
+    server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -150,9 +109,9 @@ def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int,
             ("grpc.http2.max_ping_strikes", 0),
         ],
     )
-    servicer = WorkerServicer(runner, model_name, eos_token_ids, main_thread)
+    servicer = WorkerServicer(runner, model_name, eos_token_ids)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -161,9 +120,9 @@ def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int,
     port = server.add_insecure_port(listen)
     if port == 0 and not listen.startswith("unix:"):
         raise OSError(f"cannot listen on {listen}")
-    server.start()
+    await server.start()
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
 
 
@@ -179,8 +138,6 @@ def default_model_name(model_arg: str | None, model_dir: Path) -> str:
 
 def serve(args) -> int:
     """``pagewire worker``: load the model, size the KV cache, serve until SIGINT/SIGTERM."""
-    import signal
-
     from worker_svc.runner import ModelRunner, RunnerConfig
     from worker_svc.weights import resolve_model_path
 
@@ -207,24 +164,25 @@ def serve(args) -> int:
     else:
         runner = ModelRunner(model_dir, config)
     eos = tuple(runner.model_config.eos_token_ids)
-    main_thread = MainThreadExecutor()
-    server, port, health_servicer = build_server(
-        runner, args.listen, args.served_model_name or default_model_name(args.model, model_dir), eos, main_thread
-    )
+    name = args.served_model_name or default_model_name(args.model, model_dir)
+    return asyncio.run(_serve_until_signal(runner, args.listen, name, eos, model_dir, t0))
+
+
+async def _serve_until_signal(runner, listen: str, model_name: str, eos, model_dir: Path, t0: float) -> int:
+    import signal
+
+    server, port, health_servicer = await build_server(runner, listen, model_name, eos)
     print(
-        f"pagewire worker ready on {args.listen} (port {port}): {model_dir.name}, "
+        f"pagewire worker ready on {listen} (port {port}): {model_dir.name}, "
         f"{runner.num_kv_blocks} KV blocks x {runner.block_size} tokens, loaded in {time.monotonic() - t0:.1f}s",
         flush=True,
     )
-    stop = threading.Event()
-
-    def _on_signal(signum, frame):
-        stop.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    main_thread.run_until(stop)  # executes the steps until SIGTERM/SIGINT
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=5).wait()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5)
     print("pagewire worker stopped", flush=True)
     return 0
