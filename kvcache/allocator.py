@@ -245,6 +245,26 @@ class BlockAllocator:
         self._seq_block_hashes[seq_id] = matched_hashes
         return Allocation(list(block_ids), num_cached_tokens, copies)
 
+    def grow_in_place(self, seq_id: int, num_tokens: int) -> bool:
+        """The common decode case of ``append_slots``, without building a result: growth to
+        ``num_tokens`` whose new tokens all land in the sequence's private last block changes no
+        block. Records the new length and returns True; returns False, with nothing changed,
+        when blocks must change or the request is not plain growth (``append_slots`` handles
+        those, and raises for bad ones)."""
+        block_ids = self._seq_block_ids.get(seq_id)
+        if block_ids is None:
+            return False
+        num_old_tokens = self._seq_num_tokens[seq_id]
+        num_held = len(block_ids)
+        if (
+            num_old_tokens <= num_tokens <= num_held * self.block_size
+            and num_old_tokens // self.block_size >= num_held - 1
+            and self._ref_counts[block_ids[-1]] == 1
+        ):
+            self._seq_num_tokens[seq_id] = num_tokens
+            return True
+        return False
+
     def append_slots(self, seq_id: int, num_tokens: int) -> AppendResult | None:
         """Make room for ``num_tokens`` tokens in total: new blocks on rollover, and a private
         copy of the block the first new token lands in if that block is shared (copy-on-write).
@@ -253,11 +273,7 @@ class BlockAllocator:
         num_old_tokens = self._seq_num_tokens[seq_id]
         if num_tokens < num_old_tokens:
             raise ValueError(f"seq {seq_id}: num_tokens={num_tokens} < current length {num_old_tokens}")
-        # the common decode case: growth inside a private last block changes no block
-        if num_tokens <= len(block_ids) * self.block_size and self._ref_counts[block_ids[-1]] == 1 and (
-            num_old_tokens // self.block_size >= len(block_ids) - 1
-        ):
-            self._seq_num_tokens[seq_id] = num_tokens
+        if self.grow_in_place(seq_id, num_tokens):
             return AppendResult(len(block_ids), _NO_BLOCKS, _NO_COPIES)
         num_new_blocks = self.num_blocks_for(num_tokens) - len(block_ids)
         write_index = num_old_tokens // self.block_size  # block of the first new token

@@ -58,13 +58,41 @@ class WorkerLost:
     message: str
 
 
+class OutputStream:
+    """One request's deltas, from the engine task to its handler on the same loop: the engine
+    appends without waiting, and the handler takes everything that piled up at once. (An
+    ``asyncio.Queue`` does the same with more bookkeeping per item, once per streamed message.)"""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take(self) -> list:
+        """Wait for at least one item; return all that are there, oldest first."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
+
+
 class EngineService:
     def __init__(self, worker_address: str, options: EngineOptions, on_health=None):
         self.worker_address = worker_address
         self.options = options
         self._on_health = on_health or (lambda serving: None)
         self._link: WorkerLink | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, OutputStream] = {}
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -103,7 +131,7 @@ class EngineService:
             raise NotReadyError("the worker is not connected")
         return engine.validate(prompt, prompt_token_ids, sampling, strict_length=True)
 
-    def submit(self, request_id: str, token_ids: list[int], sampling: SamplingParams, queue: asyncio.Queue) -> None:
+    def submit(self, request_id: str, token_ids: list[int], sampling: SamplingParams, queue: OutputStream) -> None:
         """Queue a validated request; its outputs (RequestOutput or WorkerLost) go to ``queue``."""
         engine = self.engine
         if engine is None or not self.connected.is_set():

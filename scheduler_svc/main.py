@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -67,6 +68,11 @@ async def run_scheduler(
     while not service.connected.is_set() and not stop.is_set():
         await asyncio.sleep(0.05)
     if not stop.is_set():
+        # what exists now (tokenizer tables, gRPC and protobuf machinery) lives as long as the
+        # process: move it out of the collector's view, so full collections while serving
+        # only walk per-request objects
+        gc.collect()
+        gc.freeze()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         info = service.worker_info

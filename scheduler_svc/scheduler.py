@@ -121,6 +121,9 @@ class Scheduler:
             target = seq.num_computed_tokens + num_new
             if target <= seq.num_slot_tokens:  # a prompt's later chunk: its blocks exist
                 grown = _NO_GROWTH
+            elif allocator.grow_in_place(seq.seq_id, target):  # a decode inside its last block
+                seq.num_slot_tokens = target
+                grown = _NO_GROWTH
             else:
                 grown = allocator.append_slots(seq.seq_id, target)
                 while grown is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 
@@ -14,7 +13,7 @@ from pagewire import wire
 from pagewire.v1 import generation_pb2 as pb
 from pagewire.v1 import generation_pb2_grpc
 from scheduler_svc.engine import RequestOutput
-from scheduler_svc.engine_loop import EngineService, NotReadyError, QueueFullError, WorkerLost
+from scheduler_svc.engine_loop import EngineService, NotReadyError, OutputStream, QueueFullError, WorkerLost
 from scheduler_svc.sequence import FinishReason
 
 log = logging.getLogger("pagewire.scheduler")
@@ -95,7 +94,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except NotReadyError as e:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
         request_id = request_id or uuid.uuid4().hex
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = OutputStream()
         try:
             service.submit(request_id, token_ids, sampling, outputs)
         except QueueFullError as e:
@@ -107,19 +106,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finished = False
         try:
             while not finished:
-                item = await outputs.get()
-                if isinstance(item, WorkerLost):
+                # deltas that piled up while this stream was being written go out as one message
+                items = await outputs.take()
+                last = items[-1]
+                if isinstance(last, WorkerLost):  # always the last item: nothing follows it
                     finished = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
-                # deltas that queued up while this stream was being written go out as one message
-                items = [item]
-                while not outputs.empty():
-                    more = outputs.get_nowait()
-                    if isinstance(more, WorkerLost):
-                        finished = True
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, more.message)
-                    items.append(more)
-                finished = items[-1].finished
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, last.message)
+                finished = last.finished
                 yield _response(request_id, items)
         finally:
             if not finished:  # cancelled, deadline passed, or the client went away

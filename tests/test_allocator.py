@@ -324,6 +324,22 @@ def test_append_slots_copies_shared_partial_block(make_allocator):
     allocator.check_integrity()
 
 
+def test_grow_in_place_only_for_growth_inside_a_private_last_block(make_allocator):
+    allocator = make_allocator(num_blocks=8)
+    allocator.allocate(1, tokens(0, 6))  # [0, 1], block 1 holds 2 tokens
+    assert allocator.grow_in_place(1, 7) and allocator.grow_in_place(1, 8)  # fills block 1
+    assert not allocator.grow_in_place(1, 9)  # rollover needs a block: append_slots does it
+    assert not allocator.grow_in_place(1, 7)  # shrinking is not growth (append_slots raises)
+    assert not allocator.grow_in_place(99, 1)  # unknown sequence (append_slots raises)
+    assert allocator.append_slots(1, 9) == AppendResult(2, [2], [])  # the length was recorded: 8
+    fork(allocator, 1, 2)  # seq 2 shares [0, 1, 2]; block 2 holds 1 token
+    assert not allocator.grow_in_place(2, 10)  # shared last block: a copy first
+    assert not allocator.grow_in_place(1, 10)
+    assert allocator.block_ids(2) == [0, 1, 2] and allocator.append_slots(2, 10) == AppendResult(2, [3], [(2, 3)])
+    assert allocator.grow_in_place(2, 12)  # private now
+    allocator.check_integrity()
+
+
 def test_prefix_caching_disabled(make_allocator):
     allocator = make_allocator(num_blocks=8, enable_prefix_caching=False)
     prompt = tokens(0, 8)

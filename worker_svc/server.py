@@ -11,6 +11,7 @@ thread while a step runs.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from pathlib import Path
@@ -172,6 +173,8 @@ async def _serve_until_signal(runner, listen: str, model_name: str, eos, model_d
     import signal
 
     server, port, health_servicer = await build_server(runner, listen, model_name, eos)
+    gc.collect()  # the model and its modules live as long as the process: keep them out of
+    gc.freeze()  # the collector's full collections while serving
     print(
         f"pagewire worker ready on {listen} (port {port}): {model_dir.name}, "
         f"{runner.num_kv_blocks} KV blocks x {runner.block_size} tokens, loaded in {time.monotonic() - t0:.1f}s",
