@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from pagewire import envs
+from pagewire import envs, eventloop
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "scheduler":
             from scheduler_svc.main import options_from_args, run_scheduler
 
-            return asyncio.run(run_scheduler(args.worker, args.listen, options_from_args(args), args.shutdown_timeout))
+            return eventloop.run(run_scheduler(args.worker, args.listen, options_from_args(args), args.shutdown_timeout))
         if args.command == "serve":
             return _serve(args)
         if args.command == "generate":
@@ -203,7 +203,7 @@ def _serve(args) -> int:
         return code
 
     try:
-        code = asyncio.run(run())
+        code = eventloop.run(run())
     finally:
         if worker.poll() is None:
             worker.send_signal(signal.SIGTERM)

@@ -6,6 +6,7 @@
 | PAGEWIRE_ATTENTION_BACKEND | auto, torch, triton or cpu (see kvcache.paged.attention_backend) | auto |
 | PAGEWIRE_NVTX | 1: NVTX ranges around the worker step's phases (for Nsight) | off |
 | PAGEWIRE_LOG_LEVEL | default of --log-level | info |
+| PAGEWIRE_EVENT_LOOP | the services' asyncio loop: auto (uvloop when installed), uvloop or asyncio | auto |
 """
 
 from __future__ import annotations
@@ -27,3 +28,7 @@ def nvtx_enabled() -> bool:
 
 def log_level() -> str:
     return os.environ.get("PAGEWIRE_LOG_LEVEL", "info")
+
+
+def event_loop() -> str:
+    return os.environ.get("PAGEWIRE_EVENT_LOOP", "auto").strip().lower() or "auto"

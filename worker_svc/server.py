@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagewire import wire
+from pagewire import eventloop, wire
 from pagewire.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pagewire.worker")
@@ -166,7 +166,7 @@ def serve(args) -> int:
         runner = ModelRunner(model_dir, config)
     eos = tuple(runner.model_config.eos_token_ids)
     name = args.served_model_name or default_model_name(args.model, model_dir)
-    return asyncio.run(_serve_until_signal(runner, args.listen, name, eos, model_dir, t0))
+    return eventloop.run(_serve_until_signal(runner, args.listen, name, eos, model_dir, t0))
 
 
 async def _serve_until_signal(runner, listen: str, model_name: str, eos, model_dir: Path, t0: float) -> int:
