@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import grpc
 
+from pagewire import eventloop
 from pagewire.bench.metrics import RequestRecord
 from pagewire.v1 import generation_pb2 as pb
 from pagewire.v1 import generation_pb2_grpc
@@ -264,7 +265,7 @@ def _client_process(conn, addr: str, counter) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes the pool
     try:
-        asyncio.run(serve())
+        eventloop.run(serve())
     except Exception as e:  # report instead of dying silently
         try:
             conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from pagewire import eventloop
 from pagewire.bench.server import (
     _PASSTHROUGH,
     BenchError,
@@ -313,7 +314,7 @@ class Bench:
         try:
             if server is not None:
                 server.start(args.serve_timeout)
-            measured = asyncio.run(self.run_ours(addr))
+            measured = eventloop.run(self.run_ours(addr))
         finally:
             if server is not None:
                 code = server.stop()
