@@ -2,8 +2,8 @@
 
 Both services are grpc.aio processes whose loops hand off thousands of small callbacks a second
 (a streamed message, a worker round trip, an accepted call). uvloop runs the same asyncio
-programs with the loop's bookkeeping in C; with 256 streams on the null worker it served about
-10% more tokens per second than the standard loop on the same machine (docs/benchmarks.md).
+programs with the loop's bookkeeping in C; with 256 streams on the null worker the scheduler
+spent about 4% less CPU per token than on the standard loop (docs/benchmarks.md, section 3).
 ``PAGEWIRE_EVENT_LOOP`` picks: ``auto`` (uvloop when it is installed, else asyncio's own),
 ``uvloop`` (required) or ``asyncio``.
 """

@@ -50,7 +50,7 @@ class Sequence:
     num_slot_tokens: int = 0
     # full blocks already offered to the prefix cache (cache_blocks is called only when one fills)
     num_hashed_blocks: int = 0
-    # set by the scheduler on admission, so the per-token stop check is one set lookup and one
+    # set by Scheduler.add, so the per-token stop check is one set lookup and one
     # comparison: token ids that end the sequence (EOS unless ignore_eos, and stop_token_ids)...
     stop_token_set: frozenset[int] = frozenset()
     # ...and the length it ends at (prompt + max_tokens, capped by the model length)
