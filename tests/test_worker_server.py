@@ -1,10 +1,14 @@
-"""The worker's grpc.aio server, in process: one scheduler stream at a time, and steps that run
-inline on the server's loop without starving gRPC's keepalive."""
+"""The worker's grpc.aio server: one scheduler stream at a time, and steps that run inline on the
+server's loop without starving gRPC's keepalive.
+
+The worker runs in its own process, as in production (the module's ``__main__`` serves a
+NullRunner that can block its loop on chosen steps), so each process has one event loop."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import subprocess
+import sys
 import time
 
 import grpc
@@ -13,85 +17,112 @@ import pytest
 from pagewire.plan import NewSequence, RunningSequence, StepPlan
 from pagewire.sampling import SamplingParams
 from scheduler_svc.worker_client import CHANNEL_OPTIONS, WorkerLink, WorkerLinkError
-from worker_svc import server as worker_server
-from worker_svc.null_runner import NullRunner
-from worker_svc.runner import RunnerConfig
+from tests.service_utils import REPO
+
+KEEPALIVE = dict(CHANNEL_OPTIONS)
+# longer than the scheduler's keepalive interval plus its timeout: a link that needed the worker's
+# loop to answer pings would be declared dead during such a step
+SLOW_STEP_SECONDS = (KEEPALIVE["grpc.keepalive_time_ms"] + KEEPALIVE["grpc.keepalive_timeout_ms"]) / 1000 + 1
 
 
-class SlowRunner(NullRunner):
-    """Blocks the worker's loop for ``delay`` seconds on the steps in ``slow_steps``."""
+def _serve(model_dir: str, address: str, delay: str, slow_steps: str) -> None:
+    """Subprocess entry (arguments from argv): a worker server whose runner sleeps ``delay``
+    seconds on the comma-separated ``slow_steps``."""
+    from worker_svc import server as worker_server
+    from worker_svc.null_runner import NullRunner
+    from worker_svc.runner import RunnerConfig
 
-    delay = 0.0
-    slow_steps: frozenset[int] = frozenset()
+    seconds = float(delay)
+    slow = {int(s) for s in slow_steps.split(",") if s}
 
-    def execute(self, plan):
-        if plan.step_id in self.slow_steps:
-            time.sleep(self.delay)
-        return super().execute(plan)
+    class SlowRunner(NullRunner):
+        def execute(self, plan):
+            if plan.step_id in slow:
+                time.sleep(seconds)  # blocks the server's event loop, as a long model step does
+            return super().execute(plan)
+
+    runner = SlowRunner(model_dir, RunnerConfig(block_size=4, num_kv_blocks=64))
+
+    async def main():
+        server, _, _ = await worker_server.build_server(runner, address, "tiny", (0,))
+        print("worker ready", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
 
 
 @pytest.fixture()
-def worker(tiny_model_dir, tmp_path):
-    """A worker server on its own event loop thread; yields (address, runner)."""
-    runner = SlowRunner(tiny_model_dir("llama-gqa"), RunnerConfig(block_size=4, num_kv_blocks=64))
-    address = f"unix:{tmp_path}/worker.sock"
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    holder = {}
+def start_worker(tiny_model_dir, tmp_path):
+    """start_worker(delay=0, slow_steps=()) -> address of a worker process."""
+    procs = []
 
-    async def serve():
-        holder["server"], _, _ = await worker_server.build_server(runner, address, "tiny", (0,))
-        started.set()
+    def start(delay: float = 0.0, slow_steps=()) -> str:
+        address = f"unix:{tmp_path}/worker-{len(procs)}.sock"
+        args = [str(tiny_model_dir("llama-gqa")), address, str(delay), ",".join(map(str, slow_steps))]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from tests.test_worker_server import _serve; _serve(*sys.argv[1:])", *args],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        procs.append(proc)
+        for line in proc.stdout:
+            if "worker ready" in line:
+                return address
+        raise RuntimeError(f"the worker exited with {proc.wait()} before it was ready")
 
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(serve(), loop).result(10)
-    assert started.wait(10)
-    yield address, runner
-    asyncio.run_coroutine_threadsafe(holder["server"].stop(None), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
 def first_step(step_id=0):
     return StepPlan(step_id, new_seqs=[NewSequence(1, [5, 6, 7], [0], 0, 3, SamplingParams(temperature=0))])
 
 
-def test_a_second_scheduler_stream_is_refused_and_the_next_one_starts_clean(worker):
-    address, runner = worker
+async def open_when_free(address: str, timeout: float = 10.0) -> tuple[WorkerLink, object]:
+    """Open a stream and run the first step; retry while an old stream still holds the worker
+    (it lets go once it notices that stream's end). Returns (link, first result)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        link = WorkerLink(address)
+        link.open()
+        try:
+            await link.send(first_step())
+            return link, await link.receive()
+        except WorkerLinkError as e:
+            await link.close()
+            if "FAILED_PRECONDITION" not in str(e) or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+def test_a_second_scheduler_stream_is_refused_and_the_next_one_starts_clean(start_worker):
+    address = start_worker()
 
     async def main():
         first, second = WorkerLink(address), WorkerLink(address)
         first.open()
         await first.send(first_step())
         assert len((await first.receive()).token_ids) == 1
-        assert runner.num_seqs == 1
         second.open()
         await second.send(first_step())
         with pytest.raises(WorkerLinkError, match="FAILED_PRECONDITION.*another scheduler"):
             await second.receive()
-        first.close_stream()
-        for _ in range(100):  # the first stream's cleanup runs on the server's loop
-            if runner.num_seqs == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert runner.num_seqs == 0
-        second.open()  # the same sequence id is new again: per-stream state was dropped
-        await second.send(first_step())
-        assert (await second.receive()).step_id == 0
-        await first.close()
         await second.close()
+        await first.close()
+        # Sequence 1 is new again on the next stream: the worker dropped the old stream's state
+        # (a worker that kept it would refuse the plan as naming a known sequence).
+        third, result = await open_when_free(address)
+        assert result.step_id == 0 and result.seq_ids == [1]
+        await third.close()
 
     asyncio.run(main())
 
 
-def test_a_step_longer_than_the_keepalive_timeout_keeps_the_link(worker):
+def test_a_step_longer_than_the_keepalive_timeout_keeps_the_link(start_worker):
     """Steps run inline on the worker's loop. The scheduler pings every 2 s and gives up after 3 s
-    without an answer; gRPC's core must keep answering while a 6 s step blocks the loop."""
-    address, runner = worker
-    keepalive = dict(CHANNEL_OPTIONS)
-    runner.delay = (keepalive["grpc.keepalive_time_ms"] + keepalive["grpc.keepalive_timeout_ms"]) / 1000 + 1
-    runner.slow_steps = frozenset({1})
+    without an answer; gRPC's core must keep answering while a long step blocks the loop."""
+    address = start_worker(delay=SLOW_STEP_SECONDS, slow_steps=[1])
 
     async def main():
         link = WorkerLink(address)
@@ -101,17 +132,17 @@ def test_a_step_longer_than_the_keepalive_timeout_keeps_the_link(worker):
         t0 = time.monotonic()
         await link.send(StepPlan(1, running_seqs=[RunningSequence(1, 1)]))
         result = await link.receive()
-        assert time.monotonic() - t0 >= runner.delay
+        assert time.monotonic() - t0 >= SLOW_STEP_SECONDS
         assert result.step_id == 1 and result.seq_ids == [1]
         await link.send(StepPlan(2, running_seqs=[RunningSequence(1, 1, block_table_start=1, block_ids=[1])]))
-        assert (await link.receive()).step_id == 2  # the stream is still the same, healthy one
+        assert (await link.receive()).step_id == 2  # the same stream, still healthy
         await link.close()
 
     asyncio.run(main())
 
 
-def test_a_plan_that_contradicts_the_worker_state_ends_the_stream_with_invalid_argument(worker):
-    address, _ = worker
+def test_a_plan_that_contradicts_the_worker_state_ends_the_stream_with_invalid_argument(start_worker):
+    address = start_worker()
 
     async def main():
         link = WorkerLink(address)
@@ -124,10 +155,10 @@ def test_a_plan_that_contradicts_the_worker_state_ends_the_stream_with_invalid_a
     asyncio.run(main())
 
 
-def test_info_over_grpc(worker):
+def test_info_over_grpc(start_worker):
     from pagewire.v1 import worker_pb2, worker_pb2_grpc
 
-    address, _ = worker
+    address = start_worker()
     with grpc.insecure_channel(address) as channel:
         info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
     assert (info.model_name, info.block_size, info.num_kv_blocks) == ("tiny", 4, 64)
