@@ -23,6 +23,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _bytes_size(text: str) -> int:
     """'512M', '2G', '1073741824'."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -60,6 +67,7 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
     g.add_argument("--stream-interval", type=_positive_int, default=1, help="after a request's first token, send a response once this many tokens are ready (fewer, larger messages under heavy load; default: %(default)s, every token)")
     g.add_argument("--no-overlap", action="store_true", help="wait for each step's result before sending the next plan (default: one plan in flight ahead)")
+    g.add_argument("--admission-turns", type=_non_negative_int, default=32, help="after each step, let the event loop turn up to this many times while new calls keep arriving, so that a busy engine fills its batches instead of stepping once per accepted call (gRPC accepts one call at a time); 0: step at once (default: %(default)s)")
     g.add_argument("--max-queued-requests", type=int, default=1024, help="waiting requests beyond this get RESOURCE_EXHAUSTED (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to let running requests finish on SIGTERM (default: %(default)s)")
 

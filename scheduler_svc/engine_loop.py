@@ -26,6 +26,10 @@ from scheduler_svc.worker_client import WorkerLink, WorkerLinkError
 log = logging.getLogger("pagewire.scheduler")
 
 
+# a new call needs two or three turns of the loop to reach its handler (EngineService._admit_arrivals)
+QUIET_TURNS = 6
+
+
 class QueueFullError(RuntimeError):
     pass
 
@@ -45,10 +49,14 @@ class EngineOptions:
     overlap: bool = True
     # after the first token, stream a response once this many tokens are ready (or at the end)
     stream_interval: int = 1
+    # after a step, the most event-loop turns given to calls still being accepted (EngineService._admit_arrivals)
+    admission_turns: int = 32
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.admission_turns < 0:
+            raise ValueError(f"admission_turns must be >= 0, got {self.admission_turns}")
 
 
 @dataclass(slots=True)
@@ -87,8 +95,9 @@ class OutputStream:
 
 
 class EngineService:
-    def __init__(self, worker_address: str, options: EngineOptions, on_health=None):
+    def __init__(self, worker_address: str, options: EngineOptions, on_health=None, link_factory=WorkerLink):
         self.worker_address = worker_address
+        self._link_factory = link_factory  # address -> a WorkerLink (tests pass an in-process one)
         self.options = options
         self._on_health = on_health or (lambda serving: None)
         self._link: WorkerLink | None = None
@@ -100,6 +109,7 @@ class EngineService:
         self.tokenizer: Tokenizer | None = None
         self.worker_info: WorkerInfo | None = None
         self.connected = asyncio.Event()
+        self.num_submitted = 0
         self.num_finished = 0
         self.num_aborted = 0
         self.num_steps = 0
@@ -109,7 +119,7 @@ class EngineService:
     # ---- called from gRPC handlers (same event loop) --------------------------------------
 
     def start(self) -> None:
-        self._link = WorkerLink(self.worker_address)
+        self._link = self._link_factory(self.worker_address)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pagewire-engine")
 
     async def stop(self) -> None:
@@ -142,6 +152,7 @@ class EngineService:
             raise QueueFullError(f"the queue is full ({self.options.max_queued_requests} requests waiting); retry later")
         engine.add_request(request_id, prompt_token_ids=token_ids, sampling=sampling)
         self._queues[request_id] = queue
+        self.num_submitted += 1
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -243,6 +254,7 @@ class EngineService:
         """Run steps while connected; sleep when there is nothing to do."""
         engine, link = self.engine, self._link
         depth = 2 if self.options.overlap else 1
+        admit = depth > 1 and self.options.admission_turns > 0
         while not self._stopping:
             if not engine.has_unfinished() and not engine.num_in_flight and not engine.scheduler.has_pending_drops():
                 self._wake.clear()
@@ -255,10 +267,39 @@ class EngineService:
                 outputs = engine.on_result(await link.receive())
                 self.num_steps += 1
                 self._deliver(outputs)
+                if admit:
+                    await self._admit_arrivals()
             elif plan is None:
                 # nothing to send and nothing outstanding (e.g. a request waits for blocks that
                 # only an abort can free): let handlers run before trying again
                 await asyncio.sleep(0.001)
+
+    async def _admit_arrivals(self) -> None:
+        """After a step, give the event loop turns while new requests keep arriving.
+
+        grpc.aio accepts one call at a time and re-arms its accept from the event loop, so a new
+        call takes two or three turns of the loop to reach its handler. Against a fast worker
+        the engine would step on nearly every turn and let calls in about one per step: with
+        256 streams open, steps held 60 sequences, and every token carried a share of the
+        per-step plan, result and gRPC costs in both processes. Here the engine waits up to
+        ``admission_turns`` turns, and stops after QUIET_TURNS turns with no new request, or once
+        the batch is full. The worker meanwhile executes the plan in flight, so it does not idle
+        unless its step is shorter than these turns; only the overlapped loop calls this.
+        """
+        scheduler = self.engine.scheduler
+        limit = self.engine.config.max_num_seqs
+        quiet = 0
+        for _ in range(self.options.admission_turns):
+            if scheduler.num_running + scheduler.num_waiting >= limit:
+                return
+            before = self.num_submitted
+            await asyncio.sleep(0)
+            if self.num_submitted != before:
+                quiet = 0
+            else:
+                quiet += 1
+                if quiet == QUIET_TURNS:
+                    return
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Put deltas on their requests' queues (the engine already applied stream_interval)."""

@@ -25,6 +25,7 @@ def options_from_args(args) -> EngineOptions:
         max_model_len=args.max_model_len,
         overlap=not args.no_overlap,
         stream_interval=args.stream_interval,
+        admission_turns=args.admission_turns,
     )
 
 

@@ -21,7 +21,7 @@ from pagewire.bench.server import (
     BenchError,
     _serve_defaults,
 )
-from pagewire.cli import _bytes_size, _positive_int
+from pagewire.cli import _bytes_size, _non_negative_int, _positive_int
 
 BASELINE_NAMES = ("hf", "hf-cb")
 DEFAULT_ADDR = "127.0.0.1:50051"
@@ -80,13 +80,6 @@ def _repeats(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"repeat counts must be >= 1, got {text!r}")
     return values
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -163,6 +156,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="the worker's CPU threads (default: the server's, one per core)")
     g.add_argument("--stream-interval", type=int, default=None,
                    help="tokens per response after the first (default: the server's, 1)")
+    g.add_argument("--admission-turns", type=_non_negative_int, default=None,
+                   help=f"event-loop turns the server gives arriving calls after each step (default: the "
+                   f"server's, {d['admission_turns']}; 0: step at once)")
     g.add_argument("--worker", choices=["model", "null"], default=None,
                    help="null: a worker that does no model math and returns fixed tokens, to measure the control "
                    "plane's ceiling (scheduler + gRPC + streaming); needs --serve; no baselines (default: model)")
@@ -277,7 +273,8 @@ def validate_args(args) -> None:
     if not args.serve:
         # the baselines follow what the running server reports (dtype, block size, KV blocks)
         server_only = [flag for flag, dest, _kind in _PASSTHROUGH
-                       if dest in ("dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "no_overlap", "stream_interval")
+                       if dest in ("dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "no_overlap", "stream_interval",
+                                    "admission_turns")
                        and getattr(args, dest) not in (None, False)]
         if server_only:
             print(f"pagewire bench: note: {', '.join(server_only)} only configure a server started with --serve; "

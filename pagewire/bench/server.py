@@ -34,6 +34,7 @@ _PASSTHROUGH = (
     ("--no-prefix-cache", "no_prefix_cache", "flag"),
     ("--no-overlap", "no_overlap", "flag"),
     ("--stream-interval", "stream_interval", "value"),
+    ("--admission-turns", "admission_turns", "value"),
     ("--num-threads", "num_threads", "value"),
     ("--worker", "worker", "value"),
 )

@@ -1,0 +1,174 @@
+"""The scheduler's engine task (EngineService) on one event loop, against an in-process worker.
+
+Calls reach a grpc.aio server one per turn of the event loop or two; ``Trickle`` submits requests
+that way, so these tests see what the engine task does with arrivals that come in while it steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from pagewire.sampling import SamplingParams
+from scheduler_svc.engine_loop import EngineOptions, EngineService, OutputStream
+from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 2048
+
+
+class InProcessLink:
+    """The WorkerLink interface over a FakeKVWorker: plans execute when sent, and each result is
+    read one loop turn later, as a fast worker's would be."""
+
+    def __init__(self, address: str, submitted=lambda: 0, turns=lambda: 0):
+        self.worker = FakeKVWorker(NUM_BLOCKS, BLOCK_SIZE)
+        self.results: list = []
+        self.plans = self.worker.plans
+        self._submitted = submitted
+        self.submitted_at_send: list[int] = []  # requests submitted so far, as each plan arrives
+        self._turns = turns
+        self.turn_at_send: list[int] = []  # event-loop turns so far, as each plan arrives
+
+    async def info(self, timeout: float = 5.0):
+        return SimpleNamespace(
+            model_name="fake", vocab_size=VOCAB, max_model_len=4096, block_size=BLOCK_SIZE,
+            num_kv_blocks=NUM_BLOCKS, eos_token_ids=[EOS], dtype="float32", device="cpu", tokenizer_files={},
+        )
+
+    def open(self) -> None:
+        pass
+
+    async def send(self, plan) -> None:
+        self.submitted_at_send.append(self._submitted())
+        self.turn_at_send.append(self._turns())
+        self.results.append(self.worker.execute(plan))
+
+    async def receive(self):
+        await asyncio.sleep(0)
+        return self.results.pop(0)
+
+    def close_stream(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+async def _collect(stream: OutputStream) -> list[int]:
+    tokens: list[int] = []
+    while True:
+        for out in await stream.take():
+            tokens += out.token_ids
+            if out.finished:
+                return tokens
+
+
+async def _serve(options: EngineOptions, prompts: list[list[int]], max_tokens: int, per_turn: int = 1):
+    """Submit ``per_turn`` requests per loop turn (the way grpc.aio hands calls over) to a
+    running engine; return every request's tokens, the worker's link, and the engine."""
+    links: list[InProcessLink] = []
+    submitted = turns = 0
+
+    def factory(address):
+        links.append(InProcessLink(address, lambda: submitted, lambda: turns))
+        return links[-1]
+
+    async def count_turns():
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.ensure_future(count_turns())
+
+    service = EngineService("in-process", options, link_factory=factory)
+    service.start()
+    await asyncio.wait_for(service.connected.wait(), 5)
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    collectors = []
+    for i, prompt in enumerate(prompts):
+        stream = OutputStream()
+        token_ids = service.validate(None, prompt, sampling)
+        service.submit(f"r{i}", token_ids, sampling, stream)
+        submitted += 1
+        collectors.append(asyncio.ensure_future(_collect(stream)))
+        if (i + 1) % per_turn == 0:
+            await asyncio.sleep(0)
+    outputs = await asyncio.wait_for(asyncio.gather(*collectors), 30)
+    engine = service.engine
+    await service.stop()
+    counter.cancel()
+    return outputs, links[0], engine
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % (VOCAB - 1) for j in range(5 + i % 7)] for i in range(n)]
+
+
+def _largest_step(plans) -> int:
+    return max(len(p.new_seqs) + len(p.running_seqs) for p in plans)
+
+
+def test_arrivals_that_trickle_in_fill_the_batch():
+    prompts = _prompts(64)
+    max_tokens = 12
+    results = {}
+    for turns in (0, 32):
+        options = EngineOptions(max_num_batched_tokens=4096, max_num_seqs=64, admission_turns=turns)
+        outputs, link, engine = asyncio.run(_serve(options, prompts, max_tokens))
+        assert outputs == [reference_tokens(p, max_tokens) for p in prompts]
+        engine.allocator.check_integrity()
+        assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+        results[turns] = link.plans
+    # without admission turns the engine steps on every turn and takes in about one arrival per
+    # step; with them it waits while calls keep coming, and all 64 run together
+    assert _largest_step(results[0]) < 16
+    assert _largest_step(results[32]) == 64
+    assert len(results[32]) < len(results[0]) / 2
+
+
+def test_admission_turns_stop_once_the_batch_is_full():
+    # 8 sequences fill the batch: the engine must not hold on for the rest of the arrivals
+    options = EngineOptions(max_num_batched_tokens=4096, max_num_seqs=8, admission_turns=32)
+    prompts = _prompts(24)
+    outputs, link, engine = asyncio.run(_serve(options, prompts, 6))
+    assert outputs == [reference_tokens(p, 6) for p in prompts]
+    assert _largest_step(link.plans) == 8
+    # two plans go out at once (one in flight ahead); the third, the first after admission
+    # turns, as soon as 8 requests were in, not after 32 turns of arrivals
+    assert link.submitted_at_send[2] <= 8 + 1
+    engine.allocator.check_integrity()
+
+
+def test_no_waiting_once_arrivals_stop():
+    # all 16 requests arrive at once; after that the engine waits six quiet turns per step, not 32
+    options = EngineOptions(max_num_batched_tokens=4096, max_num_seqs=64, admission_turns=32)
+    prompts = _prompts(16)
+    outputs, link, engine = asyncio.run(_serve(options, prompts, 10, per_turn=16))
+    assert outputs == [reference_tokens(p, 10) for p in prompts]
+    gaps = [b - a for a, b in zip(link.turn_at_send[2:], link.turn_at_send[3:])]
+    assert len(gaps) >= 5 and max(gaps) <= 6 + 2, gaps
+    engine.allocator.check_integrity()
+
+
+def test_admission_turns_are_bounded_when_arrivals_never_stop():
+    # a request arrives on every turn for far longer than 32 turns: steps keep going meanwhile
+    options = EngineOptions(max_num_batched_tokens=4096, max_num_seqs=512, admission_turns=32)
+    prompts = _prompts(400)
+    outputs, link, engine = asyncio.run(_serve(options, prompts, 4))
+    plans = link.plans
+    assert outputs == [reference_tokens(p, 4) for p in prompts]
+    # the first step goes out before any waiting; each later one after at most 32 admission
+    # turns plus the one turn the in-process result takes: at most 33 new requests per step
+    assert len(plans[0].new_seqs) == 1
+    assert max(len(p.new_seqs) for p in plans) <= 33
+    assert len(plans) >= 400 // 33
+    engine.allocator.check_integrity()
+
+
+def test_admission_turns_must_not_be_negative():
+    with pytest.raises(ValueError, match="admission_turns"):
+        EngineOptions(admission_turns=-1)
