@@ -1,7 +1,7 @@
 """CPU per completion token of the scheduler and the worker under the null-worker load.
 
     python benchmarks/null_worker_cpu.py [--max-new-tokens 64] [--stream-interval 16]
-        [--num-requests 2048] [--repeat-runs 3] [--concurrency 256]
+        [--num-requests 2048] [--repeat-runs 3] [--concurrency 256] [--admission-turns N]
 
 Starts `pagewire serve --worker null`, warms it up with one `pagewire bench --addr` run, then
 reads the scheduler's and the worker's CPU time (user + system, from /proc) around the measured
@@ -19,7 +19,16 @@ import re
 import subprocess
 import sys
 
+import grpc
+
 from pagewire.bench.server import ServedServer, _child_pids, _free_port
+from pagewire.v1 import generation_pb2 as pb
+from pagewire.v1 import generation_pb2_grpc
+
+
+def num_steps(addr: str) -> int:
+    with grpc.insecure_channel(addr) as channel:
+        return generation_pb2_grpc.GenerationStub(channel).GetStats(pb.StatsRequest(), timeout=10).num_steps
 
 
 def cpu_seconds(pid: int) -> float:
@@ -48,12 +57,14 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=2048)
     p.add_argument("--repeat-runs", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--admission-turns", type=int, default=None, help="passed to `pagewire serve` when given")
     args = p.parse_args()
 
     addr = f"127.0.0.1:{_free_port()}"
     server = ServedServer(
         [sys.executable, "-m", "pagewire.cli", "serve", "--worker", "null", "--listen", addr,
-         "--max-num-seqs", str(args.concurrency), "--stream-interval", str(args.stream_interval)],
+         "--max-num-seqs", str(args.concurrency), "--stream-interval", str(args.stream_interval)]
+        + ([] if args.admission_turns is None else ["--admission-turns", str(args.admission_turns)]),
         addr,
     )
     server.start(timeout=120)
@@ -63,9 +74,11 @@ def main() -> int:
             raise SystemExit(f"expected one worker process under `pagewire serve`, found {workers}")
         worker = workers[0]
         bench(addr, args, min(args.num_requests, 1024), runs=1, warmup=0)  # warm up
+        steps0 = num_steps(addr)
         sched0, worker0 = cpu_seconds(server.proc.pid), cpu_seconds(worker)
         out = bench(addr, args, args.num_requests, runs=args.repeat_runs, warmup=0)
         sched1, worker1 = cpu_seconds(server.proc.pid), cpu_seconds(worker)
+        steps1 = num_steps(addr)
     finally:
         server.stop()
     tokens = args.num_requests * args.max_new_tokens * args.repeat_runs
@@ -77,6 +90,8 @@ def main() -> int:
     print(f"scheduler CPU per token: {1e6 * (sched1 - sched0) / tokens:.2f} us")
     print(f"worker CPU per token:    {1e6 * (worker1 - worker0) / tokens:.2f} us")
     print(f"scheduler CPU per request: {1e6 * (sched1 - sched0) / (args.num_requests * args.repeat_runs):.0f} us")
+    print(f"steps: {steps1 - steps0}, {tokens / max(steps1 - steps0, 1):.1f} tokens per step "
+          f"(out of at most {args.concurrency} sequences)")
     if client:
         print(f"bench client CPU: {', '.join(f'{c}%' for c in client)}")
     return 0
