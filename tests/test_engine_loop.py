@@ -1,7 +1,8 @@
 """The scheduler's engine task (EngineService) on one event loop, against an in-process worker.
 
-Calls reach a grpc.aio server one per turn of the event loop or two; ``Trickle`` submits requests
-that way, so these tests see what the engine task does with arrivals that come in while it steps.
+Calls reach a grpc.aio server's handlers one per turn of the event loop or two; ``_serve`` submits
+requests that way, so these tests see what the engine task does with arrivals that come in while
+it steps.
 """
 
 from __future__ import annotations
