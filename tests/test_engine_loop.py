@@ -173,3 +173,19 @@ def test_admission_turns_are_bounded_when_arrivals_never_stop():
 def test_admission_turns_must_not_be_negative():
     with pytest.raises(ValueError, match="admission_turns"):
         EngineOptions(admission_turns=-1)
+
+
+def test_admission_turns_flag_reaches_the_engine_options():
+    from pagewire.cli import build_parser
+    from scheduler_svc.main import options_from_args
+
+    parser = build_parser()
+    cases = (
+        (["scheduler", "--worker", "w:1"], 32),
+        (["scheduler", "--worker", "w:1", "--admission-turns", "0"], 0),
+        (["serve", "--admission-turns", "5"], 5),
+    )
+    for argv, expected in cases:
+        assert options_from_args(parser.parse_args(argv)).admission_turns == expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["scheduler", "--worker", "w:1", "--admission-turns", "-1"])
