@@ -7,6 +7,7 @@ streamed text with stop strings applied. It never imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -100,13 +101,7 @@ class EngineCore:
         capacity = worker_info.num_kv_blocks * worker_info.block_size
         max_model_len = min(config.max_model_len, worker_info.max_model_len, capacity)
         if max_model_len != config.max_model_len:
-            config = SchedulerConfig(
-                max_model_len=max_model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                enable_prefix_caching=config.enable_prefix_caching,
-                max_queued_requests=config.max_queued_requests,
-            )
+            config = dataclasses.replace(config, max_model_len=max_model_len)
         self.config = config
         self.worker_info = worker_info
         self.executor = executor
