@@ -3,7 +3,8 @@
 There is no prefill or decode mode. Every sequence has ``num_computed_tokens`` catching up with
 ``num_tokens``; a step gives each scheduled sequence a slice of the token budget: one token for
 a decode, a chunk for a prompt (chunked prefill), running sequences first so decodes keep
-flowing while long prompts are split across steps. Admission is first come, first served and
+flowing while long prompts are split across steps (and, with prefill pacing, spread over the
+steps that follow so that each costs about the same). Admission is first come, first served and
 limited by free KV blocks; when running sequences run out of blocks, the newest is preempted
 (its blocks freed, recomputed later from its tokens).
 """
@@ -18,6 +19,8 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 
 _NO_GROWTH = AppendResult(block_table_start=0, block_ids=[], copies=[])
+# the smallest prompt share of a paced step: short prompts go through in one step
+PACING_MIN_TOKENS = 16
 
 
 class Scheduler:
@@ -104,6 +107,9 @@ class Scheduler:
         running = self.running
         running_diffs = plan.running_seqs
         allocator = self.allocator
+        # prompt tokens (chunks and admissions) this step may carry: the whole budget, unless
+        # pacing spreads them out while decodes are running
+        prefill_left = self._prefill_allowance() if self.config.prefill_pacing_steps else budget
 
         # Running sequences first, oldest first: decodes and the rest of chunked prompts.
         i = 0
@@ -117,7 +123,14 @@ class Scheduler:
             if num_new <= 0 or (pending and num_tokens >= seq.max_num_tokens):
                 i += 1
                 continue
-            num_new = min(num_new, budget)
+            if num_new > 1:  # a prompt chunk (or a recompute after preemption), not a decode
+                num_new = min(num_new, budget, prefill_left)
+                if num_new <= 0:
+                    i += 1
+                    continue
+                prefill_left -= num_new
+            else:
+                num_new = min(num_new, budget)
             target = seq.num_computed_tokens + num_new
             if target <= seq.num_slot_tokens:  # a prompt's later chunk: its blocks exist
                 grown = _NO_GROWTH
@@ -151,7 +164,7 @@ class Scheduler:
         while (
             not preempted
             and self.waiting
-            and budget > 0
+            and min(budget, prefill_left) > 0
             and len(running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
@@ -167,7 +180,8 @@ class Scheduler:
             seq.num_slot_tokens = len(seq.token_ids)
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_left)
+            prefill_left -= num_new
             plan.block_copies.extend(allocation.copies)
             plan.new_seqs.append(
                 NewSequence(
@@ -186,6 +200,31 @@ class Scheduler:
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         return plan
+
+    def _prefill_allowance(self) -> int:
+        """Prefill pacing: how many prompt tokens the next step may carry.
+
+        With no sequence decoding there is no stream to protect and prompts get the whole
+        budget. Otherwise the step carries ``1 / prefill_pacing_steps`` of the prompt tokens not
+        yet computed (running chunks and waiting prompts), and at least ``PACING_MIN_TOKENS``:
+        prefill work that arrives in bursts is spread over the steps that follow, so every step
+        costs about the same and decodes see an even inter-token latency, while a backlog that
+        grows (load near saturation) raises the share until steps are full again.
+        """
+        backlog = 0
+        decoding = False
+        for seq in self.running:
+            remaining = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens
+            if remaining > 1:
+                backlog += remaining
+            elif remaining == 1:
+                decoding = True
+        if not decoding:
+            return self.config.max_num_batched_tokens
+        for seq in self.waiting:
+            backlog += len(seq.token_ids) + seq.num_pending_tokens
+        steps = self.config.prefill_pacing_steps
+        return max(PACING_MIN_TOKENS, (backlog + steps - 1) // steps)
 
     def _advance(self, seq: Sequence, num_new: int) -> None:
         """Count a scheduled slice as computed (the plan is sent before its result arrives)."""

@@ -14,7 +14,7 @@ from scheduler_svc.sequence import FinishReason
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
 
 
-def make_engine(num_blocks=64, block_size=4, budget=16, max_num_seqs=64, prefix=True, max_model_len=512):
+def make_engine(num_blocks=64, block_size=4, budget=16, max_num_seqs=64, prefix=True, max_model_len=512, pacing=0):
     worker = FakeKVWorker(num_blocks, block_size)
     info = WorkerInfo("fake", VOCAB, max_model_len, block_size, num_blocks, (EOS,))
     config = SchedulerConfig(
@@ -22,6 +22,7 @@ def make_engine(num_blocks=64, block_size=4, budget=16, max_num_seqs=64, prefix=
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=prefix,
+        prefill_pacing_steps=pacing,
     )
     return EngineCore(config, info, worker), worker
 
@@ -228,8 +229,10 @@ def test_strict_length_rejects_prompt_plus_max_tokens():
 
 
 def test_model_len_capped_to_cache_capacity():
-    engine, _ = make_engine(num_blocks=8, block_size=4, max_model_len=512)
+    engine, _ = make_engine(num_blocks=8, block_size=4, max_model_len=512, budget=24, pacing=8)
     assert engine.max_model_len == 32
+    # the rest of the policy survives the cap
+    assert engine.config.max_num_batched_tokens == 24 and engine.config.prefill_pacing_steps == 8
 
 
 def test_random_workload_with_aborts_balances_blocks():
@@ -264,6 +267,119 @@ def test_random_workload_with_aborts_balances_blocks():
     for rid, toks in expected.items():
         assert got[rid] == toks, rid
     assert_all_free(engine)
+
+
+# ---- prefill pacing ----------------------------------------------------------------------
+
+
+def _prefill_tokens(plan) -> int:
+    """Prompt tokens a plan carries: new sequences' slices and running chunks longer than one."""
+    return sum(s.num_scheduled_tokens for s in plan.new_seqs) + sum(
+        d.num_scheduled_tokens for d in plan.running_seqs if d.num_scheduled_tokens > 1
+    )
+
+
+def test_prefill_pacing_spreads_a_long_prompt_while_a_stream_decodes():
+    results = {}
+    for pacing in (0, 8):
+        engine, worker = make_engine(num_blocks=256, block_size=4, budget=64, pacing=pacing)
+        short = engine.add_request("short", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(temperature=0, max_tokens=90))
+        engine.step()  # the short one is decoding now
+        long_prompt = make_prompts(1, seed=5, lengths=[200])[0]
+        engine.add_request("long", prompt_token_ids=long_prompt, sampling=SamplingParams(temperature=0, max_tokens=3))
+        long_out = []
+        chunks = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == "long":
+                    long_out += o.token_ids
+            plan = worker.plans[-1]
+            if _prefill_tokens(plan):
+                chunks.append(_prefill_tokens(plan))
+                # the stream's decode rides along in every step that carries a chunk
+                assert any(d.seq_id == short.seq_id and d.num_scheduled_tokens == 1 for d in plan.running_seqs)
+        assert long_out == reference_tokens(long_prompt, 3)
+        assert short.token_ids[3:] == reference_tokens([1, 2, 3], 90)
+        assert_all_free(engine)
+        results[pacing] = chunks
+    # unpaced: the budget minus the decode, four times, then the rest
+    assert results[0] == [63, 63, 63, 11]
+    # paced over 8 steps: an eighth of what is left, rounded up, and never less than 16
+    expected, left = [], 200
+    while left:
+        expected.append(min(left, max(16, -(-left // 8))))
+        left -= expected[-1]
+    assert results[8] == expected
+    assert expected[:3] == [25, 22, 20] and max(expected) < 63
+
+
+def test_prefill_pacing_gives_the_whole_budget_when_nothing_decodes():
+    engine, worker = make_engine(num_blocks=256, block_size=4, budget=64, pacing=8)
+    prompts = make_prompts(3, seed=6, lengths=[100, 40, 30])
+    outs, _ = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=4))
+    assert outs == [reference_tokens(p, 4) for p in prompts]
+    # no stream to protect: the first two steps are full prompt steps, as without pacing
+    assert [p.num_scheduled_tokens for p in worker.plans[:2]] == [64, 64]
+    assert_all_free(engine)
+
+
+def test_prefill_pacing_share_grows_with_the_backlog():
+    engine, worker = make_engine(num_blocks=512, block_size=4, budget=128, pacing=8)
+    engine.add_request("stream", prompt_token_ids=[5, 6], sampling=SamplingParams(temperature=0, max_tokens=40))
+    engine.step()
+    prompts = make_prompts(12, seed=7, lengths=[40] * 12)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", prompt_token_ids=p, sampling=SamplingParams(temperature=0, max_tokens=2))
+    engine.step()
+    # 480 prompt tokens waiting: an eighth is 60, more than the 16 a small backlog gets
+    assert _prefill_tokens(worker.plans[-1]) == 60
+    engine.step()
+    assert _prefill_tokens(worker.plans[-1]) == 53  # ceil(420 / 8)
+    while engine.has_unfinished():
+        engine.step()
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("num_blocks", [14, 200])
+def test_prefill_pacing_with_overlap_keeps_outputs_exact(num_blocks):
+    """Requests arriving every third step while others decode, two plans in flight, paced and not,
+    with preemption (14 blocks) and without: the reference tokens, and every block comes back."""
+    rng = random.Random(num_blocks)
+    prompts = make_prompts(10, seed=8, lengths=[rng.randint(1, 40) for _ in range(10)])  # + output < 56 slots
+    requests = [(p, SamplingParams(temperature=0, max_tokens=6 + i)) for i, p in enumerate(prompts)]
+    schedules = {}
+    for pacing in (0, 4):
+        engine, worker = make_engine(num_blocks=num_blocks, block_size=4, budget=32, pacing=pacing)
+        link = LaggingLink(worker)
+        got = {}
+        arrivals = list(enumerate(requests))
+        steps = 0
+        while arrivals or engine.has_unfinished() or engine.num_in_flight:
+            if arrivals and steps % 3 == 0:
+                i, (p, sp) = arrivals.pop(0)
+                engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
+                got[f"r{i}"] = []
+            for o in engine.pipeline_step(link, 2):
+                got[o.request_id].extend(o.token_ids)
+            engine.allocator.check_integrity()
+            steps += 1
+            assert steps < 2_000
+        for i, (p, sp) in enumerate(requests):
+            assert got[f"r{i}"] == reference_tokens(p, sp.max_tokens)
+        if num_blocks == 14:
+            assert engine.scheduler.num_preemptions > 0
+        assert_all_free(engine)
+        schedules[pacing] = [_prefill_tokens(plan) for plan in worker.plans]
+    # pacing changed the schedule: prompt work spread over more steps (with preemption, a
+    # recompute while nothing decodes still takes the whole budget)
+    assert sum(1 for n in schedules[4] if n) > sum(1 for n in schedules[0] if n)
+    if num_blocks == 200:
+        assert max(schedules[4]) < max(schedules[0])
+
+
+def test_prefill_pacing_must_not_be_negative():
+    with pytest.raises(ValueError, match="prefill_pacing_steps"):
+        SchedulerConfig(max_model_len=64, prefill_pacing_steps=-1)
 
 
 # ---- one plan in flight (overlap) ---------------------------------------------------------
