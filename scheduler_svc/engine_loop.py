@@ -51,12 +51,16 @@ class EngineOptions:
     stream_interval: int = 1
     # after a step, the most event-loop turns given to calls still being accepted (EngineService._admit_arrivals)
     admission_turns: int = 32
+    # spread prompt tokens over about this many steps while sequences decode (0: off; Scheduler._prefill_allowance)
+    prefill_pacing_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.admission_turns < 0:
             raise ValueError(f"admission_turns must be >= 0, got {self.admission_turns}")
+        if self.prefill_pacing_steps < 0:
+            raise ValueError(f"prefill_pacing_steps must be >= 0, got {self.prefill_pacing_steps}")
 
 
 @dataclass(slots=True)
@@ -236,6 +240,7 @@ class EngineService:
             max_num_seqs=opts.max_num_seqs,
             enable_prefix_caching=opts.enable_prefix_caching,
             max_queued_requests=opts.max_queued_requests,
+            prefill_pacing_steps=opts.prefill_pacing_steps,
         )
         if self.engine is not None:
             self.num_preemptions += self.engine.scheduler.num_preemptions

@@ -26,6 +26,7 @@ def options_from_args(args) -> EngineOptions:
         overlap=not args.no_overlap,
         stream_interval=args.stream_interval,
         admission_turns=args.admission_turns,
+        prefill_pacing_steps=args.prefill_pacing_steps,
     )
 
 

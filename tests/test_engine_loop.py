@@ -189,3 +189,25 @@ def test_admission_turns_flag_reaches_the_engine_options():
         assert options_from_args(parser.parse_args(argv)).admission_turns == expected
     with pytest.raises(SystemExit):
         parser.parse_args(["scheduler", "--worker", "w:1", "--admission-turns", "-1"])
+
+
+def test_prefill_pacing_flag_reaches_the_scheduler():
+    from pagewire.cli import build_parser
+    from scheduler_svc.main import options_from_args
+
+    parser = build_parser()
+    for argv, expected in (
+        (["scheduler", "--worker", "w:1"], 0),
+        (["scheduler", "--worker", "w:1", "--prefill-pacing-steps", "48"], 48),
+        (["serve", "--prefill-pacing-steps", "32"], 32),
+    ):
+        assert options_from_args(parser.parse_args(argv)).prefill_pacing_steps == expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prefill-pacing-steps", "-1"])
+    with pytest.raises(ValueError, match="prefill_pacing_steps"):
+        EngineOptions(prefill_pacing_steps=-1)
+    # and from the options into the scheduler the engine task builds on connecting
+    options = EngineOptions(max_num_batched_tokens=64, prefill_pacing_steps=16)
+    outputs, _, engine = asyncio.run(_serve(options, _prompts(4), 5))
+    assert outputs == [reference_tokens(p, 5) for p in _prompts(4)]
+    assert engine.scheduler.config.prefill_pacing_steps == 16

@@ -159,6 +159,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--admission-turns", type=_non_negative_int, default=None,
                    help=f"event-loop turns the server gives arriving calls after each step (default: the "
                    f"server's, {d['admission_turns']}; 0: step at once)")
+    g.add_argument("--prefill-pacing-steps", type=_non_negative_int, default=None, metavar="N",
+                   help=f"the server spreads waiting prompt tokens over about N steps while sequences decode "
+                   f"(default: the server's, {d['prefill_pacing_steps']}; 0: off)")
     g.add_argument("--worker", choices=["model", "null"], default=None,
                    help="null: a worker that does no model math and returns fixed tokens, to measure the control "
                    "plane's ceiling (scheduler + gRPC + streaming); needs --serve; no baselines (default: model)")
@@ -274,7 +277,7 @@ def validate_args(args) -> None:
         # the baselines follow what the running server reports (dtype, block size, KV blocks)
         server_only = [flag for flag, dest, _kind in _PASSTHROUGH
                        if dest in ("dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "no_overlap", "stream_interval",
-                                    "admission_turns")
+                                    "admission_turns", "prefill_pacing_steps")
                        and getattr(args, dest) not in (None, False)]
         if server_only:
             print(f"pagewire bench: note: {', '.join(server_only)} only configure a server started with --serve; "

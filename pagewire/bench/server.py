@@ -35,6 +35,7 @@ _PASSTHROUGH = (
     ("--no-overlap", "no_overlap", "flag"),
     ("--stream-interval", "stream_interval", "value"),
     ("--admission-turns", "admission_turns", "value"),
+    ("--prefill-pacing-steps", "prefill_pacing_steps", "value"),
     ("--num-threads", "num_threads", "value"),
     ("--worker", "worker", "value"),
 )
