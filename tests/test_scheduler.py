@@ -302,7 +302,7 @@ def test_prefill_pacing_spreads_a_long_prompt_while_a_stream_decodes():
         assert short.token_ids[3:] == reference_tokens([1, 2, 3], 90)
         assert_all_free(engine)
         results[pacing] = chunks
-    # unpaced: the budget minus the decode, four times, then the rest
+    # unpaced: the budget minus the decode, three times, then the rest
     assert results[0] == [63, 63, 63, 11]
     # paced over 8 steps: an eighth of what is left, rounded up, and never less than 16
     expected, left = [], 200
