@@ -2,14 +2,13 @@
 linear model, and section 2's workload (Poisson arrivals, prompts of 16-512 tokens).
 
     python benchmarks/pacing_sim.py [--rates 1.0,1.5,1.8] [--budgets 32,512] [--pacing 0,32,64]
-        [--step-ms 20] [--token-ms 0.9] [--noise 0.05]
+        [--step-ms 27] [--token-ms 1.0] [--noise 0.05]
 
 Each step takes ``step_ms + token_ms * scheduled tokens``, times a lognormal noise factor: the
 defaults are the least-squares fit `benchmarks/step_trace.py` gave for SmolLM2-135M in fp32 on
-this 2-core VM (26.8 ms + 1.02 ms per token; the context term was ~2 us per token, left out). The scheduler, allocator and engine are the
-project's own (EngineCore over the torch-free FakeKVWorker); only the clock is simulated, so the
-figures show what the policy does without the VM's noise. TTFT is arrival to first token; ITL is
-every gap between a stream's tokens, pooled, as `pagewire bench` measures them.
+this 2-core VM (26.8 ms + 1.02 ms per token; the context term was ~2 us per token, left out).
+The scheduler, allocator and engine are the project's own (EngineCore over the torch-free FakeKVWorker, driven by benchmarks/replay.py);
+only the clock is simulated, so the figures show what the policy does without the VM's noise.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.replay import poisson_arrivals, replay  # noqa: E402
 from pagewire.bench.metrics import percentile  # noqa: E402
 from pagewire.sampling import SamplingParams  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
@@ -28,48 +28,47 @@ from scheduler_svc.engine import EngineCore, WorkerInfo  # noqa: E402
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker  # noqa: E402
 
 
+class SimClock:
+    """Steps take ``step_ms + token_ms * scheduled tokens``, times a lognormal noise factor."""
+
+    def __init__(self, worker: FakeKVWorker, args):
+        self.worker = worker
+        self.args = args
+        self.noise = random.Random(args.seed + 1)
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def idle_until(self, t: float) -> None:
+        self.t = t
+
+    def execute(self, plan):
+        a = self.args
+        result = self.worker.execute(plan)
+        self.t += (a.step_ms + a.token_ms * plan.num_scheduled_tokens) / 1e3 * self.noise.lognormvariate(0, a.noise)
+        return result, self.t, plan.num_scheduled_tokens
+
+
 def simulate(rate: float, budget: int, pacing: int, args) -> dict:
-    rng = random.Random(args.seed)
-    noise = random.Random(args.seed + 1)
     blocks = 4096
     worker = FakeKVWorker(blocks, 16)
     info = WorkerInfo("sim", VOCAB, 2048, 16, blocks, (EOS,))
     config = SchedulerConfig(max_model_len=2048, max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
                              prefill_pacing_steps=pacing)
     engine = EngineCore(config, info, worker)
-    arrivals, t = [], 0.0
-    for _ in range(args.num_requests):
-        t += rng.expovariate(rate)
-        arrivals.append((t, [rng.randrange(VOCAB - 1) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]))
+    arrivals = poisson_arrivals(args.seed, args.num_requests, rate, (args.min_prompt, args.max_prompt), (0, VOCAB - 1))
     sampling = SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True)
-    now, nxt, sent, last, ttft, itl, steps = 0.0, 0, {}, {}, [], [], []
-    while nxt < len(arrivals) or engine.has_unfinished():
-        while nxt < len(arrivals) and arrivals[nxt][0] <= now:
-            engine.add_request(f"r{nxt}", prompt_token_ids=arrivals[nxt][1], sampling=sampling)
-            sent[f"r{nxt}"] = arrivals[nxt][0]
-            nxt += 1
-        plan = engine.schedule()
-        if plan is None:
-            now = arrivals[nxt][0]  # idle until the next arrival
-            continue
-        result = worker.execute(plan)
-        now += (args.step_ms + args.token_ms * plan.num_scheduled_tokens) / 1e3 * noise.lognormvariate(0, args.noise)
-        steps.append(plan.num_scheduled_tokens)
-        for out in engine.process_result(result):
-            for _ in out.token_ids:
-                rid = out.request_id
-                if rid in last:
-                    itl.append(now - last[rid])
-                else:
-                    ttft.append(now - sent[rid])
-                last[rid] = now
+    clock = SimClock(worker, args)
+    r = replay(engine, arrivals, sampling, clock)
     engine.allocator.check_integrity()
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    ttft, itl = r.ttft, r.itl
     return {
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
         "ratio": percentile(itl, 99) / percentile(itl, 50),
-        "full_steps": sum(n >= budget - 1 for n in steps) / len(steps), "served_req_s": len(arrivals) / now,
+        "full_steps": sum(n >= budget - 1 for n in r.steps) / len(r.steps), "served_req_s": len(arrivals) / clock.t,
     }
 
 

@@ -4,18 +4,18 @@ engine and the model runner, no gRPC) on the wall clock, with every step timed a
     python benchmarks/step_trace.py [--pacing 0,64] [--request-rate 1.0] [--num-requests 64]
         [--max-num-batched-tokens 32] [--dtype float32] [--json PATH]
 
-Requests arrive as Poisson arrivals (prompts of 16-512 random tokens, 64 new tokens, ignore EOS);
-the engine steps without overlap, so each step's time is the worker's. For each setting it prints
-TTFT and ITL percentiles as `pagewire bench` computes them, the step times of decode-only steps
-and of steps carrying prompt tokens, and a least-squares fit of the step time to a fixed cost,
-a cost per scheduled token and a cost per context token the decodes read.
+Requests arrive as Poisson arrivals (prompts of 16-512 random tokens, 64 new tokens, ignore EOS;
+driven by benchmarks/replay.py); the engine steps without overlap, so each step's time is the
+worker's. For each setting it prints TTFT and ITL percentiles as `pagewire bench` computes them,
+the step times of decode-only steps and of steps carrying prompt tokens, and a least-squares fit
+of the step time to a fixed cost, a cost per scheduled token and a cost per context token the
+decodes read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.replay import poisson_arrivals, replay  # noqa: E402
 from pagewire.bench.metrics import percentile  # noqa: E402
 from pagewire.llm import LLM  # noqa: E402
 from pagewire.sampling import SamplingParams  # noqa: E402
@@ -31,48 +32,42 @@ from scheduler_svc.config import SchedulerConfig  # noqa: E402
 from scheduler_svc.engine import EngineCore  # noqa: E402
 
 
+class WallClock:
+    """Real time from the first arrival on; each step is the model runner's, timed."""
+
+    def __init__(self, engine: EngineCore, runner):
+        self.engine = engine
+        self.runner = runner
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def idle_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.now()))
+
+    def execute(self, plan):
+        """Also records (seconds, scheduled tokens, decodes, their context tokens, prompt tokens)."""
+        seqs = self.engine.scheduler.seqs
+        decodes = [d for d in plan.running_seqs if d.num_scheduled_tokens == 1]
+        context = sum(seqs[d.seq_id].num_computed_tokens for d in decodes if d.seq_id in seqs)
+        started = time.perf_counter()
+        result = self.runner.execute(plan)
+        done = time.perf_counter()
+        record = (done - started, plan.num_scheduled_tokens, len(decodes), context,
+                  plan.num_scheduled_tokens - len(decodes))
+        return result, done - self.t0, record
+
+
 def run(llm: LLM, pacing: int, args) -> dict:
     base = llm.engine
     config = SchedulerConfig(max_model_len=base.config.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_num_seqs=256, prefill_pacing_steps=pacing)
     engine = EngineCore(config, base.worker_info, llm.runner, llm.tokenizer)
-    rng = random.Random(args.seed)
-    arrivals, t = [], 0.0
-    for _ in range(args.num_requests):
-        t += rng.expovariate(args.request_rate)
-        arrivals.append((t, [rng.randrange(1000, 20000) for _ in range(rng.randint(16, 512))]))
+    arrivals = poisson_arrivals(args.seed, args.num_requests, args.request_rate, (16, 512), (1000, 20000))
     sampling = SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True)
-    sent, last, ttft, itl, steps = {}, {}, [], [], []
-    nxt = 0
-    t0 = time.perf_counter()
-    while nxt < len(arrivals) or engine.has_unfinished():
-        now = time.perf_counter() - t0
-        while nxt < len(arrivals) and arrivals[nxt][0] <= now:
-            rid = f"r{nxt}"
-            engine.add_request(rid, prompt_token_ids=arrivals[nxt][1], sampling=sampling)
-            sent[rid] = arrivals[nxt][0]
-            nxt += 1
-        plan = engine.schedule()
-        if plan is None:
-            if nxt < len(arrivals):
-                time.sleep(max(0.0, arrivals[nxt][0] - (time.perf_counter() - t0)))
-            continue
-        seqs = engine.scheduler.seqs
-        decodes = [d for d in plan.running_seqs if d.num_scheduled_tokens == 1]
-        context = sum(seqs[d.seq_id].num_computed_tokens for d in decodes if d.seq_id in seqs)
-        started = time.perf_counter()
-        result = llm.runner.execute(plan)
-        done = time.perf_counter()
-        steps.append((done - started, plan.num_scheduled_tokens, len(decodes), context,
-                      plan.num_scheduled_tokens - len(decodes)))
-        for out in engine.process_result(result):
-            for _ in out.token_ids:
-                rid = out.request_id
-                if rid in last:
-                    itl.append(done - t0 - last[rid])
-                else:
-                    ttft.append(done - t0 - sent[rid])
-                last[rid] = done - t0
+    traced = replay(engine, arrivals, sampling, WallClock(engine, llm.runner))
+    ttft, itl, steps = traced.ttft, traced.itl, traced.steps
     while (plan := engine.schedule()) is not None:  # the worker drops the last finished sequences
         engine.process_result(llm.runner.execute(plan))
     engine.allocator.check_integrity()
