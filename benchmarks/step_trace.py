@@ -7,7 +7,8 @@ engine and the model runner, no gRPC) on the wall clock, with every step timed a
 Requests arrive as Poisson arrivals (prompts of 16-512 random tokens, 64 new tokens, ignore EOS;
 driven by benchmarks/replay.py); the engine steps without overlap, so each step's time is the
 worker's. For each setting it prints TTFT and ITL percentiles as `pagewire bench` computes them,
-the step times of decode-only steps and of steps carrying prompt tokens, and a least-squares fit
+the step times of decode-only steps, of steps carrying prompt tokens and of full-budget steps
+(all the same size, so their spread is the machine's), and a least-squares fit
 of the step time to a fixed cost, a cost per scheduled token and a cost per context token the
 decodes read.
 """
@@ -74,6 +75,7 @@ def run(llm: LLM, pacing: int, args) -> dict:
     s = np.array(steps)
     fit, *_ = np.linalg.lstsq(np.c_[np.ones(len(s)), s[:, 1], s[:, 3]], s[:, 0], rcond=None)
     prefill = s[:, 4] > 0
+    full = s[:, 1] == args.max_num_batched_tokens  # all alike in size: what is left is the machine
     ms = lambda xs, q: percentile(list(xs), q) * 1e3 if len(xs) else float("nan")  # noqa: E731
     return {
         "pacing": pacing,
@@ -83,6 +85,8 @@ def run(llm: LLM, pacing: int, args) -> dict:
         "num_steps": len(s), "prefill_step_share": float(prefill.mean()),
         "decode_only_step_p50_ms": ms(s[~prefill, 0], 50), "decode_only_step_p99_ms": ms(s[~prefill, 0], 99),
         "prefill_step_p50_ms": ms(s[prefill, 0], 50), "prefill_step_p99_ms": ms(s[prefill, 0], 99),
+        "full_step_share": float(full.mean()),
+        "full_step_p50_ms": ms(s[full, 0], 50), "full_step_p99_ms": ms(s[full, 0], 99),
         "fit_ms": {"per_step": fit[0] * 1e3, "per_token": fit[1] * 1e3, "per_context_token_us": fit[2] * 1e6},
         "mean_decodes_per_step": float(s[:, 2].mean()), "mean_prefill_tokens_per_step": float(s[:, 4].mean()),
     }
@@ -113,7 +117,8 @@ def main() -> None:
                   f"{r['itl_p50_ms']:.1f} p95 {r['itl_p95_ms']:.1f} p99 {r['itl_p99_ms']:.1f} ms, p99/p50 "
                   f"{r['itl_ratio']:.2f} | {r['num_steps']} steps, {r['prefill_step_share']:.0%} with prompt tokens "
                   f"(p50 {r['prefill_step_p50_ms']:.1f} ms, p99 {r['prefill_step_p99_ms']:.1f}), decode-only p50 "
-                  f"{r['decode_only_step_p50_ms']:.1f} ms p99 {r['decode_only_step_p99_ms']:.1f} | fit: "
+                  f"{r['decode_only_step_p50_ms']:.1f} ms p99 {r['decode_only_step_p99_ms']:.1f}, full-budget "
+                  f"({r['full_step_share']:.0%}) p50 {r['full_step_p50_ms']:.1f} ms p99 {r['full_step_p99_ms']:.1f} | fit: "
                   f"{f['per_step']:.1f} ms + {f['per_token']:.2f} ms/token + {f['per_context_token_us']:.1f} us/context "
                   f"token; {r['mean_decodes_per_step']:.1f} decodes, {r['mean_prefill_tokens_per_step']:.1f} prompt "
                   f"tokens per step", flush=True)
