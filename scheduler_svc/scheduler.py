@@ -214,7 +214,7 @@ class Scheduler:
         backlog = 0
         decoding = False
         for seq in self.running:
-            remaining = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens
+            remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > 1:
                 backlog += remaining
             elif remaining == 1:
@@ -222,7 +222,7 @@ class Scheduler:
         if not decoding:
             return self.config.max_num_batched_tokens
         for seq in self.waiting:
-            backlog += len(seq.token_ids) + seq.num_pending_tokens
+            backlog += seq.num_tokens - seq.num_computed_tokens
         steps = self.config.prefill_pacing_steps
         return max(PACING_MIN_TOKENS, (backlog + steps - 1) // steps)
 
