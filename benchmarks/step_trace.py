@@ -8,7 +8,8 @@ Requests arrive as Poisson arrivals (prompts of 16-512 random tokens, 64 new tok
 driven by benchmarks/replay.py); the engine steps without overlap, so each step's time is the
 worker's. For each setting it prints TTFT and ITL percentiles as `pagewire bench` computes them,
 the step times of decode-only steps, of steps carrying prompt tokens and of full-budget steps
-(all the same size, so their spread is the machine's), and a least-squares fit
+(all the same size, so their spread is the machine's: also whether it comes in spikes or in
+slow and fast periods), and a least-squares fit
 of the step time to a fixed cost, a cost per scheduled token and a cost per context token the
 decodes read.
 """
@@ -60,6 +61,20 @@ class WallClock:
         return result, done - self.t0, record
 
 
+def full_step_drift(full: np.ndarray, window: int = 50) -> dict:
+    """Whether full-budget steps vary as one-off spikes or as slow and fast periods: the lag-1
+    autocorrelation of their times against a fit on their decodes and context (near 0 for
+    spikes), and the medians of ``window`` consecutive full steps."""
+    if len(full) < 2 * window:
+        return {"full_step_residual_lag1": float("nan"), "full_step_window_medians_ms": []}
+    design = np.c_[np.ones(len(full)), full[:, 2], full[:, 3]]
+    fit, *_ = np.linalg.lstsq(design, full[:, 0], rcond=None)
+    residual = full[:, 0] - design @ fit
+    medians = [float(np.median(full[i:i + window, 0])) * 1e3 for i in range(0, len(full) - window + 1, window)]
+    return {"full_step_residual_lag1": float(np.corrcoef(residual[:-1], residual[1:])[0, 1]),
+            "full_step_window_medians_ms": medians}
+
+
 def run(llm: LLM, pacing: int, args) -> dict:
     base = llm.engine
     config = SchedulerConfig(max_model_len=base.config.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -76,6 +91,7 @@ def run(llm: LLM, pacing: int, args) -> dict:
     fit, *_ = np.linalg.lstsq(np.c_[np.ones(len(s)), s[:, 1], s[:, 3]], s[:, 0], rcond=None)
     prefill = s[:, 4] > 0
     full = s[:, 1] == args.max_num_batched_tokens  # all alike in size: what is left is the machine
+    drift = full_step_drift(s[full])
     ms = lambda xs, q: percentile(list(xs), q) * 1e3 if len(xs) else float("nan")  # noqa: E731
     return {
         "pacing": pacing,
@@ -86,7 +102,7 @@ def run(llm: LLM, pacing: int, args) -> dict:
         "decode_only_step_p50_ms": ms(s[~prefill, 0], 50), "decode_only_step_p99_ms": ms(s[~prefill, 0], 99),
         "prefill_step_p50_ms": ms(s[prefill, 0], 50), "prefill_step_p99_ms": ms(s[prefill, 0], 99),
         "full_step_share": float(full.mean()),
-        "full_step_p50_ms": ms(s[full, 0], 50), "full_step_p99_ms": ms(s[full, 0], 99),
+        "full_step_p50_ms": ms(s[full, 0], 50), "full_step_p99_ms": ms(s[full, 0], 99), **drift,
         "fit_ms": {"per_step": fit[0] * 1e3, "per_token": fit[1] * 1e3, "per_context_token_us": fit[2] * 1e6},
         "mean_decodes_per_step": float(s[:, 2].mean()), "mean_prefill_tokens_per_step": float(s[:, 4].mean()),
     }
@@ -118,7 +134,10 @@ def main() -> None:
                   f"{r['itl_ratio']:.2f} | {r['num_steps']} steps, {r['prefill_step_share']:.0%} with prompt tokens "
                   f"(p50 {r['prefill_step_p50_ms']:.1f} ms, p99 {r['prefill_step_p99_ms']:.1f}), decode-only p50 "
                   f"{r['decode_only_step_p50_ms']:.1f} ms p99 {r['decode_only_step_p99_ms']:.1f}, full-budget "
-                  f"({r['full_step_share']:.0%}) p50 {r['full_step_p50_ms']:.1f} ms p99 {r['full_step_p99_ms']:.1f} | fit: "
+                  f"({r['full_step_share']:.0%}) p50 {r['full_step_p50_ms']:.1f} ms p99 {r['full_step_p99_ms']:.1f}, "
+                  f"residual lag-1 autocorrelation {r['full_step_residual_lag1']:.2f}, medians of 50 "
+                  f"{min(r['full_step_window_medians_ms'], default=float('nan')):.1f}-"
+                  f"{max(r['full_step_window_medians_ms'], default=float('nan')):.1f} ms | fit: "
                   f"{f['per_step']:.1f} ms + {f['per_token']:.2f} ms/token + {f['per_context_token_us']:.1f} us/context "
                   f"token; {r['mean_decodes_per_step']:.1f} decodes, {r['mean_prefill_tokens_per_step']:.1f} prompt "
                   f"tokens per step", flush=True)
