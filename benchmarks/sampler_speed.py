@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 from worker_svc.sampler import Sampler, SamplingBatch
 
 

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from benchmarks.replay import poisson_arrivals, replay  # noqa: E402
 from pagewire.bench.metrics import percentile  # noqa: E402
 from pagewire.llm import LLM  # noqa: E402
-from pagewire.sampling import SamplingParams  # noqa: E402
+from pagewire_common.sampling import SamplingParams  # noqa: E402
 from scheduler_svc.config import SchedulerConfig  # noqa: E402
 from scheduler_svc.engine import EngineCore  # noqa: E402
 

@@ -30,7 +30,7 @@ import tempfile
 
 import torch
 
-from pagewire import envs
+from pagewire_common import envs
 
 log = logging.getLogger("pagewire.worker")
 

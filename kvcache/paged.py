@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache import cpu_kernels
-from pagewire import envs
+from pagewire_common import envs
 
 
 @dataclass(slots=True)

@@ -1,11 +1,11 @@
 """pagewire: serve large language models over gRPC.
 
 ``from pagewire import LLM, SamplingParams`` for offline batch inference in one process.
-``LLM`` is imported lazily so that the scheduler, which imports ``pagewire.plan`` and
-``pagewire.sampling``, never pulls in torch.
+``LLM`` is imported lazily so that the scheduler, which imports ``pagewire_common.plan`` and
+``pagewire_common.sampling``, never pulls in torch.
 """
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "GenerationOutput"]
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from pagewire import envs, eventloop
+from pagewire_common import envs, eventloop
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 

@@ -6,8 +6,8 @@ import sys
 
 import grpc
 
-from pagewire.v1 import generation_pb2 as pb
-from pagewire.v1 import generation_pb2_grpc
+from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc
 
 
 def make_sampling(max_tokens=16, temperature=0.0, top_p=None, top_k=0, seed=None, stop=(), stop_token_ids=(),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineCore, RequestOutput, Usage, WorkerInfo
 from scheduler_svc.tokenizer import Tokenizer

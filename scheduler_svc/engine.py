@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvcache.allocator import BlockAllocator
-from pagewire.plan import StepPlan, StepResult
-from pagewire.sampling import SamplingParams
+from pagewire_common.plan import StepPlan, StepResult
+from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus

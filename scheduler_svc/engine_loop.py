@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineCore, RequestOutput, WorkerInfo
 from scheduler_svc.tokenizer import Tokenizer

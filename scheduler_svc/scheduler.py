@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from kvcache.allocator import AppendResult, BlockAllocator
-from pagewire.plan import NewSequence, RunningSequence, StepPlan, StepResult
+from pagewire_common.plan import NewSequence, RunningSequence, StepPlan, StepResult
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 

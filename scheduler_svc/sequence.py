@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -9,9 +9,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagewire import wire
-from pagewire.v1 import generation_pb2 as pb
-from pagewire.v1 import generation_pb2_grpc
+from pagewire_common import wire
+from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc
 from scheduler_svc.engine import RequestOutput
 from scheduler_svc.engine_loop import EngineService, NotReadyError, OutputStream, QueueFullError, WorkerLost
 from scheduler_svc.sequence import FinishReason

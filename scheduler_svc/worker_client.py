@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import grpc
 
-from pagewire import wire
-from pagewire.plan import StepPlan, StepResult
-from pagewire.v1 import worker_pb2, worker_pb2_grpc
+from pagewire_common import wire
+from pagewire_common.plan import StepPlan, StepResult
+from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from pagewire.plan import StepPlan, StepResult
+from pagewire_common.plan import StepPlan, StepResult
 
 VOCAB = 1000
 EOS = 999

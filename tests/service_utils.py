@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagewire.v1 import generation_pb2 as pb
-from pagewire.v1 import generation_pb2_grpc
+from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 

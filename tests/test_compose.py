@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from pagewire.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2 as pb
 from tests.service_utils import REPO, Proc, free_port, sampling, stub
 
 COMPOSE = REPO / "docker-compose.yml"

@@ -6,36 +6,36 @@ import filecmp
 import subprocess
 import sys
 
-from pagewire import protogen
+from pagewire_common import protogen
 from tests.service_utils import REPO
 
 
 def test_stubs_are_current(tmp_path):
-    """The stubs in pagewire/v1 are exactly what protoc generates from protos/ now."""
+    """The stubs in pagewire_common/v1 are exactly what protoc generates from protos/ now."""
     generated = protogen.generate(tmp_path)
     for fresh in generated:
-        in_tree = REPO / fresh.relative_to(tmp_path)
+        in_tree = REPO / "pagewire_common" / "v1" / fresh.name
         assert in_tree.exists(), f"{in_tree} missing: run make protos"
         assert filecmp.cmp(fresh, in_tree, shallow=False), f"{in_tree} is stale: run make protos"
 
 
 def test_stale_stubs_are_regenerated_on_import(tmp_path):
-    """A .proto newer than its stubs makes `import pagewire.v1` regenerate them."""
+    """A .proto newer than its stubs makes `import pagewire_common.v1` regenerate them."""
     import os
 
-    stub = REPO / "pagewire/v1/generation_pb2.py"
+    stub = REPO / "pagewire_common/v1/generation_pb2.py"
     old = (REPO / "protos/pagewire/v1/generation.proto").stat().st_mtime - 3600
     os.utime(stub, (old, old))
     assert protogen.is_stale()
-    out = subprocess.run([sys.executable, "-c", "import pagewire.v1"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", "import pagewire_common.v1"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert not protogen.is_stale()
     assert stub.stat().st_mtime > old + 60
 
 
 def test_public_contract_names():
-    from pagewire.v1 import generation_pb2 as pb
-    from pagewire.v1 import worker_pb2 as wpb
+    from pagewire_common.v1 import generation_pb2 as pb
+    from pagewire_common.v1 import worker_pb2 as wpb
 
     gen = pb.DESCRIPTOR.services_by_name["Generation"]
     assert {m.name for m in gen.methods} >= {"Generate", "Chat", "GetModelInfo", "GetStats"}
@@ -63,7 +63,7 @@ def test_scheduler_never_imports_torch():
     code = (
         "import sys\n"
         "import scheduler_svc.server, scheduler_svc.main, scheduler_svc.engine_loop, scheduler_svc.engine\n"
-        "import pagewire, pagewire.cli, pagewire.client, pagewire.wire\n"
+        "import pagewire, pagewire.cli, pagewire.client, pagewire_common.wire\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
         "assert not any(m.startswith('worker_svc') for m in sys.modules), 'worker_svc was imported'\n"

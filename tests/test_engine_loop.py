@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 from scheduler_svc.engine_loop import EngineOptions, EngineService, OutputStream
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pagewire import eventloop
+from pagewire_common import eventloop
 
 
 async def loop_module() -> str:

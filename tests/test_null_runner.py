@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pagewire.plan import NewSequence, RunningSequence, StepPlan
-from pagewire.sampling import SamplingParams
+from pagewire_common.plan import NewSequence, RunningSequence, StepPlan
+from pagewire_common.sampling import SamplingParams
 from worker_svc.null_runner import DEFAULT_NULL_KV_BLOCKS, NullRunner
 from worker_svc.runner import ModelRunner, RunnerConfig
 
@@ -159,7 +159,7 @@ def test_rejects_block_ids_outside_the_cache(runner):
 
 @pytest.mark.slow
 def test_serves_through_the_real_scheduler(model_dir, tmp_path):
-    from pagewire.v1 import generation_pb2 as pb
+    from pagewire_common.v1 import generation_pb2 as pb
     from tests.service_utils import sampling, start_scheduler, start_worker, stub, wait_until
 
     cycle = NullRunner(model_dir).token_cycle

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 from worker_svc.sampler import Sampler, SamplingBatch
 
 VOCAB = 6

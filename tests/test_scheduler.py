@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineCore, WorkerInfo
 from scheduler_svc.sequence import FinishReason

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from pagewire import LLM, SamplingParams
-from pagewire.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2 as pb
 from tests.service_utils import (
     Proc, free_port, health_status, sampling, start_scheduler, start_worker, stub, wait_until,
 )

@@ -14,8 +14,8 @@ import time
 import grpc
 import pytest
 
-from pagewire.plan import NewSequence, RunningSequence, StepPlan
-from pagewire.sampling import SamplingParams
+from pagewire_common.plan import NewSequence, RunningSequence, StepPlan
+from pagewire_common.sampling import SamplingParams
 from scheduler_svc.worker_client import CHANNEL_OPTIONS, WorkerLink, WorkerLinkError
 from tests.service_utils import REPO
 
@@ -156,7 +156,7 @@ def test_a_plan_that_contradicts_the_worker_state_ends_the_stream_with_invalid_a
 
 
 def test_info_over_grpc(start_worker):
-    from pagewire.v1 import worker_pb2, worker_pb2_grpc
+    from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 
     address = start_worker()
     with grpc.insecure_channel(address) as channel:

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagewire.plan import StepPlan, StepResult
+from pagewire_common.plan import StepPlan, StepResult
 from worker_svc.config import ModelConfig
 
 log = logging.getLogger("pagewire.worker")

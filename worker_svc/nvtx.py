@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from pagewire import envs
+from pagewire_common import envs
 
 _ENABLED = envs.nvtx_enabled() and torch.cuda.is_available()
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention
-from pagewire.plan import StepPlan, StepResult
-from pagewire.sampling import SamplingParams
+from pagewire_common.plan import StepPlan, StepResult
+from pagewire_common.sampling import SamplingParams
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.cuda_graphs import DecodeGraphs

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
 

@@ -20,8 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagewire import eventloop, wire
-from pagewire.v1 import worker_pb2, worker_pb2_grpc
+from pagewire_common import eventloop, wire
+from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pagewire.worker")
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pagewire import envs
+from pagewire_common import envs
 from worker_svc.config import ModelConfig
 from worker_svc.models import build_model
 

@@ -24,10 +24,10 @@ from typing import NamedTuple
 
 import grpc
 
-from pagewire import eventloop
+from pagewire_common import eventloop
 from pagewire.bench.metrics import RequestRecord
-from pagewire.v1 import generation_pb2 as pb
-from pagewire.v1 import generation_pb2_grpc
+from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 

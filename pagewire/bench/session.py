@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pagewire import eventloop
+from pagewire_common import eventloop
 from pagewire.bench.server import (
     _PASSTHROUGH,
     BenchError,

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from pagewire import envs
+from pagewire_common import envs
 
 log = logging.getLogger("pagewire")
 

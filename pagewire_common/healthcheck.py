@@ -1,4 +1,4 @@
-"""``python -m pagewire.healthcheck ADDR [SERVICE]``: exit 0 when the gRPC health service at
+"""``python -m pagewire_common.healthcheck ADDR [SERVICE]``: exit 0 when the gRPC health service at
 ADDR reports SERVING (used by docker compose)."""
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagewire.plan import NewSequence, RunningSequence, StepPlan, StepResult
-from pagewire.sampling import SamplingParams
-from pagewire.v1 import generation_pb2 as gen_pb
-from pagewire.v1 import worker_pb2 as worker_pb
+from pagewire_common.plan import NewSequence, RunningSequence, StepPlan, StepResult
+from pagewire_common.sampling import SamplingParams
+from pagewire_common.v1 import generation_pb2 as gen_pb
+from pagewire_common.v1 import worker_pb2 as worker_pb
 
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagewire.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams
 
 
 @dataclass(slots=True)
