@@ -1,8 +1,7 @@
 """pagewire: serve large language models over gRPC.
 
 ``from pagewire import LLM, SamplingParams`` for offline batch inference in one process.
-``LLM`` is imported lazily so that the scheduler, which imports ``pagewire_common.plan`` and
-``pagewire_common.sampling``, never pulls in torch.
+``LLM`` is imported lazily: importing ``pagewire`` (the CLI, the client) never pulls in torch.
 """
 
 from pagewire_common.sampling import SamplingParams

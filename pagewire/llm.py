@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 from pagewire_common.sampling import SamplingParams
+from pagewire_common.settings import SETTING_NAMES, Settings
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineCore, RequestOutput, Usage, WorkerInfo
+from scheduler_svc.output import OutputProcessor
 from scheduler_svc.tokenizer import Tokenizer
 
 log = logging.getLogger("pagewire")
@@ -38,60 +40,33 @@ class LLM:
 
     ``model`` is a Hugging Face model directory (safetensors + config + tokenizer), a ``.gguf``
     file (converted once into a cached safetensors directory), or None for the embedded
-    SmolLM2-135M-Instruct. Engine options: ``block_size``, ``max_num_batched_tokens``,
-    ``max_num_seqs``, ``num_kv_blocks`` (or ``kv_cache_bytes``), ``enable_prefix_caching``,
-    ``dtype``, ``device``, ``max_model_len``.
+    SmolLM2-135M-Instruct. Keyword arguments are the engine settings of ``pagewire serve``
+    (``pagewire_common.settings.Settings``, the same names as the flags: ``block_size``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``num_kv_blocks``, ``kv_cache_bytes``,
+    ``enable_prefix_caching``, ``dtype``, ``device``, ``max_model_len``, ...), with the same
+    defaults and checks.
     """
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        num_kv_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        enable_prefix_caching: bool = True,
-        dtype: str = "float32",
-        device: str | None = None,
-        max_model_len: int | None = None,
-    ):
+    def __init__(self, model: str | Path | None = None, **settings):
         from worker_svc.runner import ModelRunner, RunnerConfig, dtype_name
         from worker_svc.weights import resolve_model_path
 
+        unknown = sorted(set(settings) - SETTING_NAMES)
+        if unknown:
+            raise TypeError(f"LLM() got unknown settings {unknown}; see pagewire_common.settings.Settings")
+        self.settings = Settings(model=None if model is None else str(model), **settings)
         self.model_dir = resolve_model_path(model)
-        runner_config = RunnerConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_bytes=kv_cache_bytes,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-        )
-        self.runner = ModelRunner(self.model_dir, runner_config)
+        self.runner = ModelRunner(self.model_dir, RunnerConfig.from_settings(self.settings))
         tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         mc = self.runner.model_config
-        eos = tuple(mc.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-            eos = eos + (tokenizer.eos_token_id,)
-        info = WorkerInfo(
-            model_name=self.model_dir.name,
-            vocab_size=mc.vocab_size,
-            max_model_len=self.runner.max_model_len,
-            block_size=block_size,
-            num_kv_blocks=self.runner.num_kv_blocks,
-            eos_token_ids=eos,
-            dtype=dtype_name(self.runner.dtype),
-            device=str(self.runner.device),
+        info = WorkerInfo.build(
+            model_name=self.model_dir.name, vocab_size=mc.vocab_size, max_model_len=self.runner.max_model_len,
+            block_size=self.runner.block_size, num_kv_blocks=self.runner.num_kv_blocks,
+            eos_token_ids=mc.eos_token_ids, dtype=dtype_name(self.runner.dtype), device=str(self.runner.device),
+            tokenizer_eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
         )
-        sched_config = SchedulerConfig(
-            max_model_len=self.runner.max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching,
-        )
-        self.engine = EngineCore(sched_config, info, self.runner, tokenizer)
+        self.engine = EngineCore(SchedulerConfig.from_settings(self.settings, self.runner.max_model_len), info,
+                                 self.runner)
         self.tokenizer = tokenizer
         self._request_ids = itertools.count()
 
@@ -122,29 +97,43 @@ class LLM:
 
         token_lists = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
             try:
-                token_lists.append(self.engine.validate(text, ids, sp))
+                token_lists.append(self.engine.validate(self._tokenize(prompt), sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
 
+        engine = self.engine
+        processor = OutputProcessor(self.tokenizer)
         request_ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
         collected: dict[str, list[RequestOutput]] = {rid: [] for rid in request_ids}
         for rid, ids, sp in zip(request_ids, token_lists, params):
-            self.engine.add_request(rid, prompt_token_ids=ids, sampling=sp)
+            engine.add_request(rid, ids, sp)
+            processor.add(rid, ids, sp)
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.request_id in collected:
-                        collected[out.request_id].append(out)
-            # drop the finished sequences' worker state too
-            while (plan := self.engine.schedule()) is not None:
-                self.engine.process_result(self.runner.execute(plan))
+            while engine.has_unfinished():
+                outputs, stopped = processor.process(engine.step())
+                for rid in stopped:
+                    engine.finish(rid)
+                for out in outputs:
+                    collected[out.request_id].append(out)
+            engine.drain()  # drop the finished sequences' worker state too
         except BaseException:
             for rid in request_ids:
-                self.engine.abort(rid)
+                engine.abort(rid)
             raise
         return [self._merge(rid, ids, collected[rid]) for rid, ids in zip(request_ids, token_lists)]
+
+    def _tokenize(self, prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; give token ids")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt encodes to no tokens")
+        return ids
 
     @staticmethod
     def _merge(request_id: str, prompt_ids: list[int], deltas: list[RequestOutput]) -> GenerationOutput:

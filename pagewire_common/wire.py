@@ -18,6 +18,15 @@ _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 
 DEFAULT_MAX_TOKENS = 16
+# the files a tokenizer is made of: the worker sends them in ``Info`` and the core passes them on
+# to the API servers in ``CoreInfo``, so neither needs the model directory
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def _ints(data: bytes, dtype: np.dtype) -> list[int]:

@@ -1,13 +1,15 @@
-"""Scheduler configuration."""
+"""Scheduler configuration: the batching policy's view of the settings (``pagewire_common.settings``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagewire_common.settings import Settings, check_all, default_of
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Batching policy. Validated once; passed whole.
+    """Batching policy. Validated once; passed whole. Defaults and checks are the settings'.
 
     ``max_num_batched_tokens`` is the token budget of one step (prefill chunks plus decodes);
     ``max_num_seqs`` caps how many sequences run at once; ``max_model_len`` is the longest
@@ -17,20 +19,25 @@ class SchedulerConfig:
     """
 
     max_model_len: int
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    enable_prefix_caching: bool = True
-    max_queued_requests: int = 1024
-    prefill_pacing_steps: int = 0
+    max_num_batched_tokens: int = default_of("max_num_batched_tokens")
+    max_num_seqs: int = default_of("max_num_seqs")
+    enable_prefix_caching: bool = default_of("enable_prefix_caching")
+    max_queued_requests: int = default_of("max_queued_requests")
+    prefill_pacing_steps: int = default_of("prefill_pacing_steps")
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.prefill_pacing_steps < 0:
-            raise ValueError(f"prefill_pacing_steps must be >= 0, got {self.prefill_pacing_steps}")
-        if self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        check_all(self, ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_queued_requests",
+                         "prefill_pacing_steps"))
+
+    @classmethod
+    def from_settings(cls, settings: Settings, max_model_len: int) -> "SchedulerConfig":
+        """The policy for a worker whose model length is ``max_model_len`` (capped by
+        ``--max-model-len`` when given)."""
+        return cls(
+            max_model_len=min(settings.max_model_len or max_model_len, max_model_len),
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            max_queued_requests=settings.max_queued_requests,
+            prefill_pacing_steps=settings.prefill_pacing_steps,
+        )

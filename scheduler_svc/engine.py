@@ -1,8 +1,14 @@
-"""The scheduler's engine: requests in, token/text deltas out, one step at a time.
+"""The engine core: token-level requests in, sampled tokens out, one step plan at a time.
 
-It validates and tokenizes requests, runs the batching policy, hands each step plan to an
-executor (the worker in this process, or the worker over gRPC), and turns sampled tokens into
-streamed text with stop strings applied. It never imports torch.
+It owns the batching policy (``Scheduler``) and the block allocator, and hands each step plan to
+the worker: in this process (``pagewire.LLM``, tests) or over gRPC (the scheduler core process).
+Text does not exist here: prompts arrive as token ids, and tokens go back to whoever turns them
+into text and finds stop strings (``scheduler_svc.output``), which calls ``finish`` when it finds
+one. It never imports torch.
+
+Both drivers use the same calls: ``add_request``/``abort``/``finish``, then ``next_plan`` /
+``should_receive`` / ``on_result`` (the pipeline, up to two plans in flight), and ``drain`` to
+tell the worker to drop the sequences that ended. ``step`` is the one-plan-at-a-time form.
 """
 
 from __future__ import annotations
@@ -18,8 +24,7 @@ from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
-from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler_svc.sequence import FinishReason, Sequence
 
 
 class Executor(Protocol):
@@ -47,6 +52,17 @@ class WorkerInfo:
     dtype: str = "float32"
     device: str = "cpu"
 
+    @classmethod
+    def build(cls, *, model_name: str, vocab_size: int, max_model_len: int, block_size: int, num_kv_blocks: int,
+              eos_token_ids, dtype: str, device: str, tokenizer_eos_token_id: int | None) -> "WorkerInfo":
+        """The one place that assembles a worker's info: the tokenizer's EOS token ends
+        generation too when the model config does not list it."""
+        eos = tuple(int(t) for t in eos_token_ids)
+        if tokenizer_eos_token_id is not None and tokenizer_eos_token_id not in eos:
+            eos += (tokenizer_eos_token_id,)
+        return cls(model_name, int(vocab_size), int(max_model_len), int(block_size), int(num_kv_blocks), eos,
+                   dtype, device)
+
 
 @dataclass(frozen=True, slots=True)
 class Usage:
@@ -57,46 +73,51 @@ class Usage:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A delta for one request: the tokens and text produced since its last output."""
+    """A delta for one request: the tokens (and text, once detokenized) since its last output."""
 
     request_id: str
     token_ids: list[int]
-    text: str
+    text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list[float] | None = None
     usage: Usage | None = None
+    # on a request's first token delta from the engine: prompt tokens served from the prefix cache
+    num_cached_prompt_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer | None
-    # stop strings are looked for as each token arrives; other requests are detokenized only
-    # when a delta goes out
-    detokenize_each_token: bool = False
-    num_streamed_tokens: int = 0
-    held_text: str = ""  # text decoded token by token and not yet in a delta
+def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vocab_size: int, max_model_len: int,
+                           strict_length: bool) -> None:
+    """Check a tokenized request against the engine's limits (``ValueError`` says what is
+    wrong). ``strict_length`` rejects prompt + max_tokens beyond the model length (the gRPC
+    contract); without it generation simply stops at the model length ("length"). The API
+    servers, the core and the offline API all call this one function."""
+    if not token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    sampling.validate()
+    n = len(token_ids)
+    if n >= max_model_len:
+        raise ValueError(
+            f"prompt has {n} tokens; the maximum model length is {max_model_len} "
+            "(prompt plus at least one generated token)"
+        )
+    if strict_length and n + sampling.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) = {n + sampling.max_tokens} "
+            f"exceeds the maximum model length {max_model_len}"
+        )
 
 
 class EngineCore:
-    """Validate, schedule, execute, detokenize. Single-threaded: the caller drives ``step()``."""
+    """Schedule, execute, apply results. Single-threaded: the caller drives it."""
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        worker_info: WorkerInfo,
-        executor: Executor,
-        tokenizer: Tokenizer | None = None,
-        *,
-        stream_interval: int = 1,
-    ):
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+    def __init__(self, config: SchedulerConfig, worker_info: WorkerInfo, executor: Executor | None = None):
         # A sequence must fit in the cache on its own, or preemption could never make room.
         capacity = worker_info.num_kv_blocks * worker_info.block_size
         max_model_len = min(config.max_model_len, worker_info.max_model_len, capacity)
@@ -105,16 +126,11 @@ class EngineCore:
         self.config = config
         self.worker_info = worker_info
         self.executor = executor
-        self.tokenizer = tokenizer
-        # after a request's first delta, the next one waits until this many tokens are ready
-        # (or the request ends): fewer, larger messages for streaming clients
-        self.stream_interval = stream_interval
         self.allocator = BlockAllocator(
             worker_info.num_kv_blocks, worker_info.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.allocator, worker_info.eos_token_ids)
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
+        self._requests: dict[str, Sequence] = {}
         self._seq_ids = itertools.count()
         self.num_finished = 0
         self.num_aborted = 0
@@ -126,90 +142,46 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def validate(
-        self,
-        prompt: str | None,
-        prompt_token_ids: list[int] | None,
-        sampling: SamplingParams,
-        *,
-        strict_length: bool = False,
-    ) -> list[int]:
-        """Check a request and return its prompt token ids. ``ValueError`` says what is wrong.
-
-        ``strict_length`` rejects prompt + max_tokens beyond the model length (the gRPC
-        contract); without it generation simply stops at the model length ("length")."""
-        if prompt is not None and prompt_token_ids:
-            raise ValueError("give either prompt or prompt_token_ids, not both")
-        if prompt is None and prompt_token_ids is None:
-            raise ValueError("a request needs a prompt or prompt_token_ids")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer; send prompt_token_ids")
-            token_ids = self.tokenizer.encode(prompt)
-            if not token_ids:
-                raise ValueError("prompt encodes to no tokens")
-        else:
-            token_ids = [int(t) for t in prompt_token_ids]
-            if not token_ids:
-                raise ValueError("prompt_token_ids is empty")
-            vocab = self.worker_info.vocab_size
-            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        sampling.validate()
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; the maximum model length is {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        if strict_length and n + sampling.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) = {n + sampling.max_tokens} "
-                f"exceeds the maximum model length {self.max_model_len}"
-            )
+    def validate(self, prompt_token_ids: list[int] | None, sampling: SamplingParams, *,
+                 strict_length: bool = False) -> list[int]:
+        """Check a request and return its prompt token ids (``ValueError`` says what is wrong)."""
+        if prompt_token_ids is None:
+            raise ValueError("a request needs a prompt (the engine core takes token ids)")
+        token_ids = [int(t) for t in prompt_token_ids]
+        validate_prompt_tokens(token_ids, sampling, vocab_size=self.worker_info.vocab_size,
+                               max_model_len=self.max_model_len, strict_length=strict_length)
         return token_ids
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        sampling: SamplingParams | None = None,
-        *,
-        strict_length: bool = False,
-    ) -> Sequence:
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
+                    sampling: SamplingParams | None = None, *, strict_length: bool = False) -> Sequence:
         sampling = sampling or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        token_ids = self.validate(prompt, prompt_token_ids, sampling, strict_length=strict_length)
-        seq = Sequence(
-            seq_id=next(self._seq_ids),
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling=sampling,
-        )
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer.for_prompt(self.tokenizer, len(token_ids), sampling.stop)
-        req = _Request(request_id, seq, detok, detokenize_each_token=detok is not None and bool(sampling.stop))
+        token_ids = self.validate(prompt_token_ids, sampling, strict_length=strict_length)
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=token_ids,
+                       sampling=sampling)
         self.scheduler.add(seq)
-        self._requests[request_id] = req
-        self._by_seq[seq.seq_id] = req
+        self._requests[request_id] = seq
         return seq
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request: its blocks are freed now and the worker drops it in the next step."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
+        return self._end(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
+        """End a request that its reader decided is complete (a stop string): counted as
+        finished, blocks freed (or cached) now; tokens already in flight for it are dropped."""
+        return self._end(request_id, reason)
+
+    def _end(self, request_id: str, reason: FinishReason) -> bool:
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
             return False
-        del self._by_seq[req.seq.seq_id]
-        self.scheduler.finish(req.seq, FinishReason.ABORT)
-        self.num_aborted += 1
+        self.scheduler.finish(seq, reason)
+        if reason is FinishReason.ABORT:
+            self.num_aborted += 1
+        else:
+            self.num_finished += 1
         return True
 
     def has_unfinished(self) -> bool:
@@ -230,35 +202,41 @@ class EngineCore:
             return None
         return plan
 
-    def process_result(self, result: StepResult) -> list[RequestOutput]:
-        """Apply a step result: stop checks, detokenization, and a delta for each request that
-        got its first token, finished, or has ``stream_interval`` tokens not yet streamed."""
-        outputs: list[RequestOutput] = []
-        by_seq = self._by_seq
-        interval = self.stream_interval
-        for seq in self.scheduler.update(result):
-            req = by_seq.get(seq.seq_id)
-            if req is None:
-                continue
-            if req.detokenize_each_token:
-                req.held_text += req.detokenizer.update(seq.token_ids, is_final=seq.is_finished)
-                if req.detokenizer.stopped and not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.STOP)
-            streamed = req.num_streamed_tokens
-            if (
-                seq.status is SequenceStatus.FINISHED
-                or not streamed
-                or len(seq.token_ids) - seq.num_prompt_tokens - streamed >= interval
-            ):
-                outputs.append(self._make_output(req))
-        return outputs
+    def process_result(self, result: StepResult) -> list[Sequence]:
+        """Apply a step result: the sequences that received a token (each exactly one, the last
+        of ``token_ids``), finished ones included with ``finish_reason`` set."""
+        touched = self.scheduler.update(result)
+        requests = self._requests
+        for seq in touched:
+            if seq.finish_reason is not None and requests.pop(seq.request_id, None) is not None:
+                self.num_finished += 1
+        return touched
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one step, execute it, and return the deltas it produced."""
+        """Schedule one step, execute it, and return one token delta per sequence that got one."""
         plan = self.schedule()
         if plan is None:
             return []
-        return self.process_result(self.executor.execute(plan))
+        return self.outputs(self.process_result(self.executor.execute(plan)))
+
+    def drain(self) -> None:
+        """Send the plans that only drop ended sequences from the worker (nothing runs)."""
+        while (plan := self.schedule()) is not None:
+            self.process_result(self.executor.execute(plan))
+
+    @staticmethod
+    def outputs(touched: list[Sequence]) -> list[RequestOutput]:
+        """Token deltas for ``touched`` sequences (one token each), with usage on the last."""
+        outs = []
+        for seq in touched:
+            out = RequestOutput(seq.request_id, [seq.token_ids[-1]], "", seq.finish_reason,
+                                [seq.logprobs[-1]] if seq.sampling.logprobs else None)
+            if seq.finish_reason is not None:
+                out.usage = usage_of(seq)
+            if len(seq.token_ids) - seq.num_prompt_tokens == 1:
+                out.num_cached_prompt_tokens = seq.num_cached_prompt_tokens or 0
+            outs.append(out)
+        return outs
 
     @property
     def num_in_flight(self) -> int:
@@ -270,13 +248,13 @@ class EngineCore:
         With 2 (overlap), plan N+1 is built and sent before result N is read: its decodes use
         the tokens step N samples, which the worker already holds, so the worker never waits for
         a round trip. Stop conditions are then learned one step late; a token sampled past a
-        stop is dropped in ``update``. With 1, each plan waits for its result. (The gRPC
-        scheduler drives the same three calls from an asyncio task.)"""
+        stop is dropped in ``update``. With 1, each plan waits for its result. (The scheduler
+        core drives the same three calls from an asyncio task.)"""
         plan = self.next_plan(max_in_flight)
         if plan is not None:
             link.send(plan)
         if self.should_receive(plan is not None, max_in_flight):
-            return self.on_result(link.receive())
+            return self.outputs(self.on_result(link.receive()))
         return []
 
     def next_plan(self, max_in_flight: int) -> StepPlan | None:
@@ -293,36 +271,15 @@ class EngineCore:
         """Read a result now: the pipeline is full, or nothing new was sent."""
         return bool(self._in_flight) and (not sent or len(self._in_flight) >= max_in_flight)
 
-    def on_result(self, result: StepResult) -> list[RequestOutput]:
+    def on_result(self, result: StepResult) -> list[Sequence]:
         expected = self._in_flight.popleft()
         if result.step_id != expected:
             raise RuntimeError(f"worker answered step {result.step_id}, expected {expected}")
         return self.process_result(result)
 
-    def _make_output(self, req: _Request) -> RequestOutput:
-        seq = req.seq
-        new_ids = seq.token_ids[seq.num_prompt_tokens + req.num_streamed_tokens :]
-        new_logprobs = None
-        if seq.sampling.logprobs:
-            new_logprobs = seq.logprobs[req.num_streamed_tokens :]
-        req.num_streamed_tokens += len(new_ids)
-        if req.detokenize_each_token:
-            text, req.held_text = req.held_text, ""
-        elif req.detokenizer is not None:
-            text = req.detokenizer.update(seq.token_ids, is_final=seq.is_finished)
-        else:
-            text = ""
-        out = RequestOutput(req.request_id, new_ids, text, seq.finish_reason, new_logprobs)
-        if seq.is_finished:
-            out.usage = Usage(
-                prompt_tokens=seq.num_prompt_tokens,
-                completion_tokens=seq.num_output_tokens,
-                cached_prompt_tokens=seq.num_cached_prompt_tokens or 0,
-            )
-            del self._requests[req.request_id]
-            del self._by_seq[seq.seq_id]
-            self.num_finished += 1
-        return out
+    def is_idle(self) -> bool:
+        """Nothing to schedule, nothing in flight, nothing to tell the worker."""
+        return not self.scheduler.has_unfinished() and not self._in_flight and not self.scheduler.has_pending_drops()
 
     def reset(self) -> list[str]:
         """The worker was lost: forget all sequences and block accounting. Returns the ids of the
@@ -331,5 +288,8 @@ class EngineCore:
         self._in_flight.clear()
         lost = list(self._requests)
         self._requests.clear()
-        self._by_seq.clear()
         return lost
+
+
+def usage_of(seq: Sequence) -> Usage:
+    return Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens or 0)

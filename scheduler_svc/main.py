@@ -1,64 +1,71 @@
-"""Running the scheduler service: ``pagewire scheduler`` and the scheduler half of ``pagewire serve``."""
+"""Running the scheduler tier: ``pagewire scheduler`` (the core, which starts and supervises its
+API servers) and ``pagewire api-server`` (one API-server process).
+
+The core serves ``pagewire.v1.SchedulerCore`` on a private address (a unix socket in a temp
+folder unless ``--core-listen`` names one) and starts ``--api-servers N`` processes running
+``pagewire api-server --scheduler CORE --listen PUBLIC``, which all listen on the public address
+with SO_REUSEPORT. It is ready once the worker is connected and every API server has said it is
+ready. SIGTERM: the API servers stop taking requests and let theirs finish, then the core stops.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import logging
+import os
+import shutil
 import signal
+import socket
+import sys
+import tempfile
 import time
 
-from grpc_health.v1 import health_pb2
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from scheduler_svc.engine_loop import EngineOptions, EngineService
-from scheduler_svc.server import SERVICE_NAME, build_server
+from pagewire_common.settings import API, Settings
+from pagewire_common.supervisor import Supervisor
+from pagewire_common.v1 import core_pb2_grpc
+from scheduler_svc.api_server import SERVICE_NAME, ApiServer, build_server
+from scheduler_svc.core_service import CoreService
 
 log = logging.getLogger("pagewire.scheduler")
+CORE_SERVICE_NAME = "pagewire.v1.SchedulerCore"
 
 
-def options_from_args(args) -> EngineOptions:
-    return EngineOptions(
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=not args.no_prefix_cache,
-        max_queued_requests=args.max_queued_requests,
-        max_model_len=args.max_model_len,
-        overlap=not args.no_overlap,
-        stream_interval=args.stream_interval,
-        admission_turns=args.admission_turns,
-        prefill_pacing_steps=args.prefill_pacing_steps,
-    )
+def check_address_free(listen: str) -> str:
+    """Fail clearly when the public address is taken (SO_REUSEPORT would otherwise let a second
+    server share it silently); resolve port 0 to a free port. Returns the address to use."""
+    if listen.startswith("unix:"):
+        return listen
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, int(port)))
+        except OSError as e:
+            raise OSError(f"cannot listen on {listen}: {e.strerror} (is another server running there?)") from None
+        bound = s.getsockname()[1]
+    return f"{listen.rpartition(':')[0]}:{bound}"
 
 
-async def run_scheduler(
-    worker_address: str,
-    listen: str,
-    options: EngineOptions,
-    shutdown_timeout: float = 30.0,
-    ready_message: str | None = None,
-    stop_event: asyncio.Event | None = None,
-) -> int:
-    """Serve until SIGINT/SIGTERM (or ``stop_event``): then refuse new requests, let running ones
-    finish for up to ``shutdown_timeout`` seconds, and stop."""
+def api_server_argv(core_address: str, listen: str, settings: Settings, log_level: str) -> list[str]:
+    return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "api-server",
+            "--scheduler", core_address, "--listen", listen, "--reuse-port",
+            "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((API,))]
+
+
+async def run_scheduler(worker_address: str, listen: str, settings: Settings, *, core_listen: str | None = None,
+                        log_level: str = "info", stop_event: asyncio.Event | None = None) -> int:
+    """The core process: serve until SIGINT/SIGTERM (or ``stop_event``), then drain and stop."""
+    listen = check_address_free(listen)
     loop = asyncio.get_running_loop()
-    health_servicer = None
-
-    def on_health(serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-
-        async def _set():
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, status)
-
-        if health_servicer is not None:
-            loop.create_task(_set())
-
-    service = EngineService(worker_address, options, on_health=on_health)
-    server, port, servicer, health_servicer = await build_server(service, listen)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    service.start()
-
+    tmpdir = None
+    if core_listen is None:
+        tmpdir = tempfile.mkdtemp(prefix="pagewire-core-")
+        core_listen = f"unix:{tmpdir}/core.sock"
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -66,33 +73,105 @@ async def run_scheduler(
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
 
-    # wait for the worker before saying we are ready
-    while not service.connected.is_set() and not stop.is_set():
+    health_servicer = health.aio.HealthServicer()
+
+    def on_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        loop.create_task(health_servicer.set(CORE_SERVICE_NAME, status))
+
+    core = CoreService(worker_address, settings, on_health=on_health)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                                      ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                                      ("grpc.so_reuseport", 0),
+                                      ("grpc.keepalive_permit_without_calls", 1),
+                                      ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+                                      ("grpc.http2.max_ping_strikes", 0)])
+    core_pb2_grpc.add_SchedulerCoreServicer_to_server(core, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if server.add_insecure_port(core_listen) == 0 and not core_listen.startswith("unix:"):
+        raise OSError(f"cannot listen on {core_listen}")
+    await server.start()
+    await health_servicer.set(CORE_SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    core.start()
+
+    failed: list[str] = []
+    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()))
+    for i in range(settings.api_servers):
+        supervisor.start(f"API server {i + 1}", api_server_argv(core_listen, listen, settings, log_level))
+    watcher = loop.create_task(supervisor.watch())
+    try:
+        # ready: the worker is connected and every API server said it is ready
+        while not stop.is_set() and not (core.connected.is_set() and core.num_ready_clients >= settings.api_servers):
+            await asyncio.sleep(0.05)
+        if not stop.is_set():
+            for name in supervisor.children:
+                supervisor.mark_ready(name)
+            gc.collect()
+            gc.freeze()  # what exists now lives as long as the process: keep it out of full collections
+            info = core.worker_info
+            print(f"pagewire scheduler ready on {listen} with {settings.api_servers} API server(s), "
+                  f"worker {worker_address}: {info.model_name}", flush=True)
+        await stop.wait()
+        print("pagewire: shutting down: no new requests, letting running ones finish...", flush=True)
+        # the API servers drain: they refuse new calls and wait for theirs, which the core keeps stepping
+        await supervisor.stop(timeout=settings.shutdown_timeout + 5)
+        watcher.cancel()
+        if core.num_in_flight:
+            log.warning("%d requests were still running; cancelled", core.num_in_flight)
+    finally:
+        if not supervisor.stopping:
+            await supervisor.stop(timeout=5)
+        watcher.cancel()
+        await server.stop(grace=1.0)
+        await core.stop()
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+async def run_api_server(core_address: str, listen: str, settings: Settings, *, reuse_port: bool = False,
+                         stop_event: asyncio.Event | None = None) -> int:
+    """One API-server process: serve until SIGINT/SIGTERM, then refuse new calls, let running
+    ones finish for up to ``--shutdown-timeout`` seconds, and stop."""
+    loop = asyncio.get_running_loop()
+    health_holder: list = []
+
+    def on_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def _set():
+            for name in ("", SERVICE_NAME):
+                await health_holder[0].set(name, status)
+
+        if health_holder and not servicer_state["draining"]:
+            loop.create_task(_set())
+
+    servicer_state = {"draining": False}
+    api = ApiServer(core_address, settings.stream_interval, on_health=on_health)
+    server, port, servicer, health_servicer = await build_server(api, listen, reuse_port)
+    health_holder.append(health_servicer)
+    api.start()
+    stop = stop_event or asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    while not api.connected.is_set() and not stop.is_set():
         await asyncio.sleep(0.05)
     if not stop.is_set():
-        # what exists now (tokenizer tables, gRPC and protobuf machinery) lives as long as the
-        # process: move it out of the collector's view, so full collections while serving
-        # only walk per-request objects
         gc.collect()
         gc.freeze()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        info = service.worker_info
-        print(
-            ready_message
-            or f"pagewire scheduler ready on {listen} (port {port}), worker {worker_address}: {info.model_name}",
-            flush=True,
-        )
+        print(f"pagewire api-server ready on {listen} (pid {os.getpid()}), scheduler {core_address}", flush=True)
     await stop.wait()
-
-    print("pagewire: shutting down: no new requests, letting running ones finish...", flush=True)
     servicer.draining = True
+    servicer_state["draining"] = True
     await health_servicer.enter_graceful_shutdown()
-    deadline = time.monotonic() + shutdown_timeout
-    while service.num_in_flight and time.monotonic() < deadline:
+    deadline = time.monotonic() + settings.shutdown_timeout
+    while api.pending and time.monotonic() < deadline and api.core_connected:
         await asyncio.sleep(0.05)
-    if service.num_in_flight:
-        log.warning("%d requests still running after %.0fs; cancelling them", service.num_in_flight, shutdown_timeout)
+    if api.pending:
+        log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
     await server.stop(grace=1.0)
-    await service.stop()
+    await api.stop()
     return 0

@@ -15,6 +15,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
+from pagewire_common.wire import TOKENIZER_FILES
+
 
 def _token_content(value) -> str | None:
     if value is None:
@@ -29,22 +31,37 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
+        if not (model_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}: pagewire needs a fast tokenizer file")
-        self._tok = _HFTokenizer.from_file(str(path))
+        files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+        self._init_from_files(files)
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes]) -> "Tokenizer":
+        """From the tokenizer files by name (as the worker's ``Info`` carries them)."""
+        if "tokenizer.json" not in files:
+            raise FileNotFoundError("no tokenizer.json among the model's files: pagewire needs a fast tokenizer file")
+        tok = cls.__new__(cls)
+        tok._init_from_files(files)
+        return tok
+
+    @property
+    def files(self) -> dict[str, bytes]:
+        return dict(self._files)
+
+    def _init_from_files(self, files: dict[str, bytes]) -> None:
+        self._files = {Path(name).name: data for name, data in files.items()}
+        self._tok = _HFTokenizer.from_str(self._files["tokenizer.json"].decode())
         config: dict = {}
-        config_path = model_dir / "tokenizer_config.json"
-        if config_path.is_file():
-            config = json.loads(config_path.read_text())
+        if "tokenizer_config.json" in self._files:
+            config = json.loads(self._files["tokenizer_config.json"])
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         template = config.get("chat_template")
-        jinja_path = model_dir / "chat_template.jinja"
-        if template is None and jinja_path.is_file():
-            template = jinja_path.read_text()
+        if template is None and "chat_template.jinja" in self._files:
+            template = self._files["chat_template.jinja"].decode()
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
@@ -195,3 +212,72 @@ def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
                 best = n
                 break
     return best
+
+
+# ---- tokenizing off the event loop ----------------------------------------------------------------
+
+# Texts up to this many characters are tokenized inline (about a millisecond); longer ones in a
+# helper process. ``tokenizers`` holds the GIL while it encodes, so a thread would not help: a
+# 1 MB prompt takes over a second, during which no other stream of the process would move.
+INLINE_CHARS = 4096
+_pool_tokenizer: Tokenizer | None = None
+
+
+def _pool_init(files: dict[str, bytes]) -> None:
+    global _pool_tokenizer
+    _pool_tokenizer = Tokenizer.from_files(files)
+
+
+def _pool_encode(text: str) -> list[int]:
+    return _pool_tokenizer.encode(text)
+
+
+def _pool_chat(messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    prompt = _pool_tokenizer.apply_chat_template(messages)
+    return prompt, _pool_tokenizer.encode(prompt)
+
+
+class OffloadedTokenizer:
+    """Encodes prompts and renders chat templates without stalling the caller's event loop:
+    small inputs inline, large ones in one helper process (started on first use)."""
+
+    def __init__(self, tokenizer: Tokenizer, inline_chars: int = INLINE_CHARS):
+        self.tokenizer = tokenizer
+        self.inline_chars = inline_chars
+        self._pool = None
+
+    def _executor(self):
+        if self._pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_pool_init, initargs=(self.tokenizer.files,),
+            )
+        return self._pool
+
+    def warm_up(self) -> None:
+        """Start the helper process now (it takes a fraction of a second), not at the first big prompt."""
+        self._executor().submit(_pool_encode, "warm up").result()
+
+    async def encode(self, text: str) -> list[int]:
+        if len(text) <= self.inline_chars:
+            return self.tokenizer.encode(text)
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), _pool_encode, text)
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids (``ValueError`` for a bad template or message)."""
+        if sum(len(m.get("content") or "") for m in messages) <= self.inline_chars:
+            prompt = self.tokenizer.apply_chat_template(messages)
+            return prompt, self.tokenizer.encode(prompt)
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), _pool_chat, messages)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

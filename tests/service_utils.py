@@ -110,3 +110,30 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise TimeoutError("condition not met in time")
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every live descendant of ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[tuple[int, str]] = []
+    stack = list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        found.append((child, argv))
+        stack += children.get(child, [])
+    return found

@@ -192,14 +192,16 @@ def test_serve_passes_engine_options_to_the_server():
     """Every engine option --serve passes on is one `pagewire serve` accepts, with its value."""
     from pagewire.bench.server import serve_argv
     from pagewire.cli import build_parser
-    from scheduler_svc.main import options_from_args
+    from pagewire_common.settings import Settings
 
     parser = build_parser()
     args = parser.parse_args(["bench", "--serve", "--prefill-pacing-steps", "40", "--admission-turns", "3",
-                              "--stream-interval", "2", "--max-num-batched-tokens", "48", "--no-overlap"])
+                              "--stream-interval", "2", "--max-num-batched-tokens", "48", "--no-overlap",
+                              "--api-servers", "3"])
     argv = serve_argv(args, "127.0.0.1:1")
     served = parser.parse_args(argv[argv.index("--log-level"):])
-    options = options_from_args(served)
+    options = Settings.from_args(served)
+    assert options.api_servers == 3
     assert (options.prefill_pacing_steps, options.admission_turns, options.stream_interval) == (40, 3, 2)
     assert options.max_num_batched_tokens == 48 and options.overlap is False
     # and nothing is passed when the flags are left out: the server keeps its defaults

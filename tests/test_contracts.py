@@ -62,7 +62,8 @@ def test_public_contract_names():
 def test_scheduler_never_imports_torch():
     code = (
         "import sys\n"
-        "import scheduler_svc.server, scheduler_svc.main, scheduler_svc.engine_loop, scheduler_svc.engine\n"
+        "import scheduler_svc.api_server, scheduler_svc.main, scheduler_svc.core_service, scheduler_svc.engine\n"
+        "import scheduler_svc.output, pagewire.serve, pagewire_common.settings, pagewire_common.supervisor\n"
         "import pagewire, pagewire.cli, pagewire.client, pagewire_common.wire\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"

@@ -209,7 +209,6 @@ def test_max_num_seqs_caps_running():
         (dict(), "needs a prompt"),
         (dict(prompt_token_ids=[1, VOCAB]), "outside the vocabulary"),
         (dict(prompt_token_ids=list(range(100))), "maximum model length"),
-        (dict(prompt="hello"), "no tokenizer"),
     ],
 )
 def test_bad_requests_raise_and_leave_engine_usable(kwargs, message):
@@ -472,9 +471,11 @@ def test_overlap_preemption_and_aborts():
 
 @pytest.mark.parametrize("interval", [2, 5, 64])
 def test_stream_interval_groups_deltas_without_changing_outputs(smollm2_dir, interval):
-    """EngineCore applies stream_interval: the first token goes out alone, then one delta per
-    `interval` tokens, and the last delta at the end. Tokens, text, stop strings, stop tokens and
-    finish reasons are what interval 1 gives, token for token and character for character."""
+    """OutputProcessor applies stream_interval to the engine's token deltas: the first token goes
+    out alone, then one delta per `interval` tokens, and the last delta at the end. Tokens, text,
+    stop strings, stop tokens and finish reasons are what interval 1 gives, token for token and
+    character for character; a stop string ends the request in the engine."""
+    from scheduler_svc.output import OutputProcessor
     from scheduler_svc.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_dir)  # the fake worker's token ids (< 1000) are all in its vocabulary
@@ -491,18 +492,23 @@ def test_stream_interval_groups_deltas_without_changing_outputs(smollm2_dir, int
 
     def run(stream_interval):
         engine, _ = make_engine(num_blocks=256, budget=32)
-        engine.tokenizer = tok
-        engine.stream_interval = stream_interval
+        processor = OutputProcessor(tok, stream_interval)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
+            processor.add(f"r{i}", p, sp)
         deltas = {f"r{i}": [] for i in range(len(prompts))}
         while engine.has_unfinished():
-            for o in engine.step():
+            outputs, stopped = processor.process(engine.step())
+            for rid in stopped:
+                assert engine.finish(rid)
+            for o in outputs:
                 deltas[o.request_id].append(o)
+        engine.drain()
         assert_all_free(engine)
-        return [deltas[f"r{i}"] for i in range(len(prompts))]
+        assert not processor.streams
+        return [deltas[f"r{i}"] for i in range(len(prompts))], engine
 
-    base, grouped = run(1), run(interval)
+    (base, _), (grouped, engine) = run(1), run(interval)
     for one, many in zip(base, grouped):
         assert [t for d in many for t in d.token_ids] == [t for d in one for t in d.token_ids]
         assert "".join(d.text for d in many) == "".join(d.text for d in one)
@@ -513,5 +519,9 @@ def test_stream_interval_groups_deltas_without_changing_outputs(smollm2_dir, int
         assert all(n == interval for n in sizes[1:-1]) and 1 <= sizes[-1] <= max(interval, 1)
     stopped = "".join(d.text for d in grouped[1])
     assert grouped[1][-1].finish_reason is FinishReason.STOP and stop not in stopped
-    assert len([t for d in grouped[1] for t in d.token_ids]) < 40  # ended at the stop string
+    n_stopped = len([t for d in grouped[1] for t in d.token_ids])
+    assert n_stopped < 40  # ended at the stop string
+    assert grouped[1][-1].usage.completion_tokens == n_stopped
     assert grouped[2][-1].finish_reason is FinishReason.STOP
+    # the stop string counts as a finished request, not an aborted one
+    assert engine.num_finished == 4 and engine.num_aborted == 0

@@ -300,3 +300,36 @@ def test_stream_interval_batches_tokens_after_the_first(model_dir, tmp_path, off
     finally:
         sched.stop()
         worker.stop()
+
+
+def test_a_1mb_prompt_being_tokenized_does_not_stall_other_streams(services):
+    """The API server tokenizes big prompts in a helper process: while a 1 MB prompt is encoded
+    (about a second and a half here), another stream on the same server keeps getting tokens at
+    its usual pace instead of waiting for the whole encode."""
+    s = stub(services)
+    call = s.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling(max_tokens=250, ignore_eos=True)))
+    arrivals: list[float] = []
+    reader_done = threading.Event()
+
+    def read():
+        for r in call:
+            arrivals.extend([time.monotonic()] * max(len(r.token_ids), 1))
+        reader_done.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    wait_until(lambda: len(arrivals) >= 10, timeout=30)
+    big = "the river runs to the sea " * 40_000  # 1 MB
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub(services).Generate(pb.GenerateRequest(prompt=big, sampling=sampling(max_tokens=4))))
+    t1 = time.monotonic()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "maximum model length" in err.value.details()
+    reader.join(60)
+    assert reader_done.is_set() and len(arrivals) == 250
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if t0 <= b <= t1]
+    assert during, "the stream ended before the big prompt was tokenized"
+    # tokenized on the server's event loop, the encode was one gap as long as the request itself
+    # (1.5 s of 1.57 s here); in the helper process the stream keeps moving, with gaps of a few
+    # steps (tens of milliseconds; the helper takes one of the two cores meanwhile)
+    assert len(during) >= 10 and max(during) < 0.3 * (t1 - t0), (max(during), t1 - t0, len(during))

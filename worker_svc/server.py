@@ -21,17 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import eventloop, wire
+from pagewire_common.wire import TOKENIZER_FILES
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pagewire.worker")
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 SERVICE_NAME = "pagewire.v1.Worker"
 
@@ -137,36 +131,27 @@ def default_model_name(model_arg: str | None, model_dir: Path) -> str:
     return model_dir.name
 
 
-def serve(args) -> int:
+def serve(settings, listen: str) -> int:
     """``pagewire worker``: load the model, size the KV cache, serve until SIGINT/SIGTERM."""
     from worker_svc.runner import ModelRunner, RunnerConfig
     from worker_svc.weights import resolve_model_path
 
-    model_dir = resolve_model_path(args.model)
-    config = RunnerConfig(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=args.kv_cache_bytes,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        cuda_graphs=not args.no_cuda_graphs,
-        cuda_graph_max_batch=args.cuda_graph_max_batch,
-    )
-    if args.num_threads:
+    model_dir = resolve_model_path(settings.model)
+    config = RunnerConfig.from_settings(settings)
+    if settings.num_threads:
         import torch
 
-        torch.set_num_threads(args.num_threads)
+        torch.set_num_threads(settings.num_threads)
     t0 = time.monotonic()
-    if getattr(args, "worker", "model") == "null":  # no model math: measures the control plane
+    if settings.worker == "null":  # no model math: measures the control plane
         from worker_svc.null_runner import NullRunner
 
         runner = NullRunner(model_dir, config)
     else:
         runner = ModelRunner(model_dir, config)
     eos = tuple(runner.model_config.eos_token_ids)
-    name = args.served_model_name or default_model_name(args.model, model_dir)
-    return eventloop.run(_serve_until_signal(runner, args.listen, name, eos, model_dir, t0))
+    name = settings.served_model_name or default_model_name(settings.model, model_dir)
+    return eventloop.run(_serve_until_signal(runner, listen, name, eos, model_dir, t0))
 
 
 async def _serve_until_signal(runner, listen: str, model_name: str, eos, model_dir: Path, t0: float) -> int:

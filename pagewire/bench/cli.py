@@ -16,12 +16,9 @@ import argparse
 import os
 import sys
 
-from pagewire.bench.server import (
-    _PASSTHROUGH,
-    BenchError,
-    _serve_defaults,
-)
-from pagewire.cli import _bytes_size, _non_negative_int, _positive_int
+from pagewire.bench.server import BenchError, passthrough_flags
+from pagewire.cli import _positive_int
+from pagewire_common.settings import API, CORE, PROCESS, WORKER, add_arguments
 
 BASELINE_NAMES = ("hf", "hf-cb")
 DEFAULT_ADDR = "127.0.0.1:50051"
@@ -82,6 +79,13 @@ def _repeats(text: str) -> list[int]:
     return values
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -108,7 +112,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d = _serve_defaults()
     g = p.add_argument_group("server")
     g.add_argument("--addr", default=None,
                    help=f"the server to measure (default: {DEFAULT_ADDR}); with --serve, where the started server "
@@ -130,41 +133,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct). "
                    "Without --serve it names the local copy of the served model, used for its tokenizer's special "
                    "tokens and by the baselines")
-    g.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help=f"weights and KV cache dtype (default: the server's, {d['dtype']}; baselines use the "
-                   "dtype the server reports)")
-    g.add_argument("--device", default=None, help="torch device for the server and the baselines (default: cuda if "
-                   "available, else cpu)")
-    g.add_argument("--block-size", type=_positive_int, default=None, help=f"tokens per KV block (default: the "
-                   f"server's, {d['block_size']}); hf-cb uses it as its page size")
-    g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
-                   help="KV blocks to allocate (default: as many as --kv-cache-memory holds); hf-cb gets the same "
-                   "number of blocks as the server reports")
-    g.add_argument("--kv-cache-memory", dest="kv_cache_bytes", type=_bytes_size, default=None, metavar="SIZE",
-                   help="memory for the KV cache, e.g. 2G (default: 1G on CPU, 90%% of free GPU memory)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help=f"token budget of one step (default: the server's, {d['max_num_batched_tokens']}); hf-cb's "
-                   "max_batch_tokens")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=None,
-                   help=f"most sequences running at once (default: the server's, {d['max_num_seqs']}); hf-cb's "
-                   "max_requests_per_batch")
-    g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off (the server's and "
-                   "hf-cb's block sharing)")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="the server waits for each step's result before sending the next plan")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="the worker's CPU threads (default: the server's, one per core)")
-    g.add_argument("--stream-interval", type=int, default=None,
-                   help="tokens per response after the first (default: the server's, 1)")
-    g.add_argument("--admission-turns", type=_non_negative_int, default=None,
-                   help=f"event-loop turns the server gives arriving calls after each step (default: the "
-                   f"server's, {d['admission_turns']}; 0: step at once)")
-    g.add_argument("--prefill-pacing-steps", type=_non_negative_int, default=None, metavar="N",
-                   help=f"the server spreads waiting prompt tokens over about N steps while sequences decode "
-                   f"(default: the server's, {d['prefill_pacing_steps']}; 0: off)")
-    g.add_argument("--worker", choices=["model", "null"], default=None,
-                   help="null: a worker that does no model math and returns fixed tokens, to measure the control "
-                   "plane's ceiling (scheduler + gRPC + streaming); needs --serve; no baselines (default: model)")
+    # every other engine setting of `pagewire serve`, declared once in pagewire_common.settings; unset
+    # means the server's own default
+    add_arguments(p, (WORKER, CORE, API, PROCESS), title="engine settings of `pagewire serve` (with --serve; "
+                  "the baselines follow dtype, device, block size, batch limits and the prefix cache)",
+                  unset_defaults=True, skip=("model", "served_model_name", "shutdown_timeout"))
 
     g = p.add_argument_group("workload")
     g.add_argument("--num-requests", type=_positive_int, default=256, help="requests per run (default: %(default)s)")
@@ -275,10 +248,8 @@ def validate_args(args) -> None:
             raise BenchError(str(e)) from None
     if not args.serve:
         # the baselines follow what the running server reports (dtype, block size, KV blocks)
-        server_only = [flag for flag, dest, _kind in _PASSTHROUGH
-                       if dest in ("dtype", "block_size", "num_kv_blocks", "kv_cache_bytes", "no_overlap", "stream_interval",
-                                    "admission_turns", "prefill_pacing_steps")
-                       and getattr(args, dest) not in (None, False)]
+        server_only = [flag for flag, dest in passthrough_flags()
+                       if dest != "model" and getattr(args, dest) is not None]
         if server_only:
             print(f"pagewire bench: note: {', '.join(server_only)} only configure a server started with --serve; "
                   f"the server at {args.addr or DEFAULT_ADDR} keeps its own settings", file=sys.stderr)

@@ -6,7 +6,7 @@ given, waits for "pagewire ready", and stops it (and its worker) at the end.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import collections
 import os
 import shlex
@@ -17,28 +17,21 @@ import sys
 import threading
 import time
 
+from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings, flag_of
+
 class BenchError(Exception):
     """A problem the user can fix (bad flags, no server, server failed to start)."""
 
 
-# server-side engine options passed through to `pagewire serve` with --serve: (flag, dest, kind)
-_PASSTHROUGH = (
-    ("--model", "model", "value"),
-    ("--dtype", "dtype", "value"),
-    ("--device", "device", "value"),
-    ("--block-size", "block_size", "value"),
-    ("--num-kv-blocks", "num_kv_blocks", "value"),
-    ("--kv-cache-memory", "kv_cache_bytes", "value"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", "value"),
-    ("--max-num-seqs", "max_num_seqs", "value"),
-    ("--no-prefix-cache", "no_prefix_cache", "flag"),
-    ("--no-overlap", "no_overlap", "flag"),
-    ("--stream-interval", "stream_interval", "value"),
-    ("--admission-turns", "admission_turns", "value"),
-    ("--prefill-pacing-steps", "prefill_pacing_steps", "value"),
-    ("--num-threads", "num_threads", "value"),
-    ("--worker", "worker", "value"),
-)
+# the settings the bench passes on to `pagewire serve` with --serve (the flags it adds for them)
+_BENCH_SCOPES = (WORKER, CORE, API, PROCESS)
+_NOT_PASSED = ("served_model_name", "shutdown_timeout")
+
+
+def passthrough_flags() -> list[tuple[str, str]]:
+    """(flag, setting name) of every engine setting the bench passes through to `pagewire serve`."""
+    return [(flag_of(f), f.name) for f in dataclasses.fields(Settings)
+            if set(f.metadata["scope"]) & set(_BENCH_SCOPES) and f.name not in _NOT_PASSED]
 
 
 def _free_port() -> int:
@@ -69,16 +62,10 @@ def check_can_listen(addr: str) -> None:
 
 
 def serve_argv(args, listen: str) -> list[str]:
-    """The `pagewire serve` command line for --serve, with the engine options that were given."""
-    argv = [sys.executable, "-m", "pagewire.cli", "--log-level", args.log_level, "serve", "--listen", listen]
-    for flag, dest, kind in _PASSTHROUGH:
-        value = getattr(args, dest)
-        if kind == "flag":
-            if value:
-                argv.append(flag)
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+    """The `pagewire serve` command line for --serve, with the engine settings that were given."""
+    given = {name: getattr(args, name) for _flag, name in passthrough_flags() if getattr(args, name) is not None}
+    return [sys.executable, "-m", "pagewire.cli", "--log-level", args.log_level, "serve", "--listen", listen,
+            *Settings(**given).to_argv(_BENCH_SCOPES)]
 
 
 class ServedServer:
@@ -175,11 +162,6 @@ def _child_pids(pid: int) -> list[int]:
 
 
 def _serve_defaults() -> dict:
-    """The defaults of `pagewire serve`'s engine options (for the baselines and the report when a
-    flag is not given), read from its own parser so they never drift."""
-    from pagewire.cli import add_scheduler_options, add_worker_options
-
-    p = argparse.ArgumentParser(add_help=False)
-    add_worker_options(p)
-    add_scheduler_options(p)
-    return vars(p.parse_args([]))
+    """The defaults of `pagewire serve`'s engine settings (for the baselines and the report when a
+    flag is not given): the declared ones."""
+    return {f.name: f.default for f in dataclasses.fields(Settings)}

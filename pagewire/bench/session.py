@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pagewire_common import eventloop
 from pagewire.bench.server import (
-    _PASSTHROUGH,
+    passthrough_flags,
     BenchError,
     ServedServer,
     _free_port,
@@ -194,7 +194,7 @@ class Bench:
             kv_cache_bytes=args.kv_cache_bytes,
             max_num_batched_tokens=self.option("max_num_batched_tokens"),
             max_num_seqs=self.option("max_num_seqs"),
-            prefix_cache=not args.no_prefix_cache,
+            prefix_cache=self.option("enable_prefix_caching"),
         )
 
     def baseline_prompts(self, i: int) -> list[list[int]]:
@@ -278,7 +278,7 @@ class Bench:
         out = {k: getattr(args, k) for k in keys}
         out["prompt_len"] = list(args.prompt_len) if args.prompt_len else None
         out["worker"] = args.worker or "model"
-        out["engine"] = {dest: self.option(dest) for _flag, dest, _kind in _PASSTHROUGH if dest != "worker"}
+        out["engine"] = {dest: self.option(dest) for _flag, dest in passthrough_flags() if dest != "worker"}
         out["engine"]["model"] = str(self.model_dir) if self.model_dir else args.model
         return out
 

@@ -1,8 +1,9 @@
-"""The scheduler's engine task (EngineService) on one event loop, against an in-process worker.
+"""The scheduler core (CoreService: engine task, API-server streams) on one event loop, against an
+in-process worker.
 
-Calls reach a grpc.aio server's handlers one per turn of the event loop or two; ``_serve`` submits
-requests that way, so these tests see what the engine task does with arrivals that come in while
-it steps.
+Requests reach the core from its API servers' streams a turn of the event loop or two apart;
+``_serve`` submits them that way, so these tests see what the engine task does with arrivals that
+come in while it steps, and what each API server receives: one message per step.
 """
 
 from __future__ import annotations
@@ -12,8 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
+import grpc
+import numpy as np
+
+from pagewire_common import wire
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.engine_loop import EngineOptions, EngineService, OutputStream
+from pagewire_common.settings import Settings
+from pagewire_common.v1 import core_pb2
+from scheduler_svc.core_service import ApiClient, CoreService
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
 
 BLOCK_SIZE = 4
@@ -58,18 +65,40 @@ class InProcessLink:
         pass
 
 
-async def _collect(stream: OutputStream) -> list[int]:
-    tokens: list[int] = []
-    while True:
-        for out in await stream.take():
-            tokens += out.token_ids
-            if out.finished:
-                return tokens
+def _add(rid: int, prompt: list[int], sampling: SamplingParams) -> core_pb2.CoreAdd:
+    return core_pb2.CoreAdd(rid=rid, prompt_token_ids=np.asarray(prompt, dtype="<i4").tobytes(),
+                            sampling=wire.sampling_to_pb(sampling))
 
 
-async def _serve(options: EngineOptions, prompts: list[list[int]], max_tokens: int, per_turn: int = 1):
-    """Submit ``per_turn`` requests per loop turn (the way grpc.aio hands calls over) to a
-    running engine; return every request's tokens, the worker's link, and the engine."""
+class Received:
+    """What one API server got from the core: tokens per rid, finish reasons, errors, messages."""
+
+    def __init__(self):
+        self.tokens: dict[int, list[int]] = {}
+        self.finished: dict[int, int] = {}
+        self.errors: dict[int, tuple[int, str]] = {}
+        self.num_messages = 0
+
+    async def collect(self, client: ApiClient, expected: int):
+        while len(self.finished) + len(self.errors) < expected:
+            for msg in await client.outbox.take():
+                if msg is None:
+                    return
+                self.num_messages += 1
+                rids = np.frombuffer(msg.rids, dtype="<i8").tolist()
+                assert len(rids) == len(set(rids)), "a request appears twice in one step's message"
+                for rid, tok in zip(rids, np.frombuffer(msg.token_ids, dtype="<i4").tolist()):
+                    self.tokens.setdefault(rid, []).append(tok)
+                for rid, code in zip(np.frombuffer(msg.finished_rids, dtype="<i8").tolist(),
+                                     np.frombuffer(msg.finish_reasons, dtype="<i4").tolist()):
+                    self.finished[rid] = code
+                for err in msg.errors:
+                    self.errors[err.rid] = (err.code, err.message)
+
+
+async def _serve(options: Settings, prompts: list[list[int]], max_tokens: int, per_turn: int = 1):
+    """Submit ``per_turn`` requests per loop turn from one API server to a running core; return
+    every request's tokens, the worker's link, and the engine."""
     links: list[InProcessLink] = []
     submitted = turns = 0
 
@@ -85,24 +114,24 @@ async def _serve(options: EngineOptions, prompts: list[list[int]], max_tokens: i
 
     counter = asyncio.ensure_future(count_turns())
 
-    service = EngineService("in-process", options, link_factory=factory)
+    service = CoreService("in-process", options, link_factory=factory)
     service.start()
     await asyncio.wait_for(service.connected.wait(), 5)
+    client = service.open_client()
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    collectors = []
+    received = Received()
+    collector = asyncio.ensure_future(received.collect(client, len(prompts)))
     for i, prompt in enumerate(prompts):
-        stream = OutputStream()
-        token_ids = service.validate(None, prompt, sampling)
-        service.submit(f"r{i}", token_ids, sampling, stream)
+        service.apply(client, core_pb2.CoreRequests(adds=[_add(i, prompt, sampling)]))
         submitted += 1
-        collectors.append(asyncio.ensure_future(_collect(stream)))
         if (i + 1) % per_turn == 0:
             await asyncio.sleep(0)
-    outputs = await asyncio.wait_for(asyncio.gather(*collectors), 30)
+    await asyncio.wait_for(collector, 30)
+    assert not received.errors
     engine = service.engine
     await service.stop()
     counter.cancel()
-    return outputs, links[0], engine
+    return [received.tokens[i] for i in range(len(prompts))], links[0], engine
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -118,7 +147,7 @@ def test_arrivals_that_trickle_in_fill_the_batch():
     max_tokens = 12
     results = {}
     for turns in (0, 32):
-        options = EngineOptions(max_num_batched_tokens=4096, max_num_seqs=64, admission_turns=turns)
+        options = Settings(max_num_batched_tokens=4096, max_num_seqs=64, admission_turns=turns)
         outputs, link, engine = asyncio.run(_serve(options, prompts, max_tokens))
         assert outputs == [reference_tokens(p, max_tokens) for p in prompts]
         engine.allocator.check_integrity()
@@ -133,7 +162,7 @@ def test_arrivals_that_trickle_in_fill_the_batch():
 
 def test_admission_turns_stop_once_the_batch_is_full():
     # 8 sequences fill the batch: the engine must not hold on for the rest of the arrivals
-    options = EngineOptions(max_num_batched_tokens=4096, max_num_seqs=8, admission_turns=32)
+    options = Settings(max_num_batched_tokens=4096, max_num_seqs=8, admission_turns=32)
     prompts = _prompts(24)
     outputs, link, engine = asyncio.run(_serve(options, prompts, 6))
     assert outputs == [reference_tokens(p, 6) for p in prompts]
@@ -146,7 +175,7 @@ def test_admission_turns_stop_once_the_batch_is_full():
 
 def test_no_waiting_once_arrivals_stop():
     # all 16 requests arrive at once; after that the engine waits six quiet turns per step, not 32
-    options = EngineOptions(max_num_batched_tokens=4096, max_num_seqs=64, admission_turns=32)
+    options = Settings(max_num_batched_tokens=4096, max_num_seqs=64, admission_turns=32)
     prompts = _prompts(16)
     outputs, link, engine = asyncio.run(_serve(options, prompts, 10, per_turn=16))
     assert outputs == [reference_tokens(p, 10) for p in prompts]
@@ -157,7 +186,7 @@ def test_no_waiting_once_arrivals_stop():
 
 def test_admission_turns_are_bounded_when_arrivals_never_stop():
     # a request arrives on every turn for far longer than 32 turns: steps keep going meanwhile
-    options = EngineOptions(max_num_batched_tokens=4096, max_num_seqs=512, admission_turns=32)
+    options = Settings(max_num_batched_tokens=4096, max_num_seqs=512, admission_turns=32)
     prompts = _prompts(400)
     outputs, link, engine = asyncio.run(_serve(options, prompts, 4))
     plans = link.plans
@@ -172,12 +201,11 @@ def test_admission_turns_are_bounded_when_arrivals_never_stop():
 
 def test_admission_turns_must_not_be_negative():
     with pytest.raises(ValueError, match="admission_turns"):
-        EngineOptions(admission_turns=-1)
+        Settings(admission_turns=-1)
 
 
-def test_admission_turns_flag_reaches_the_engine_options():
+def test_admission_turns_flag_reaches_the_settings():
     from pagewire.cli import build_parser
-    from scheduler_svc.main import options_from_args
 
     parser = build_parser()
     cases = (
@@ -186,14 +214,13 @@ def test_admission_turns_flag_reaches_the_engine_options():
         (["serve", "--admission-turns", "5"], 5),
     )
     for argv, expected in cases:
-        assert options_from_args(parser.parse_args(argv)).admission_turns == expected
+        assert Settings.from_args(parser.parse_args(argv)).admission_turns == expected
     with pytest.raises(SystemExit):
         parser.parse_args(["scheduler", "--worker", "w:1", "--admission-turns", "-1"])
 
 
 def test_prefill_pacing_flag_reaches_the_scheduler():
     from pagewire.cli import build_parser
-    from scheduler_svc.main import options_from_args
 
     parser = build_parser()
     for argv, expected in (
@@ -201,13 +228,13 @@ def test_prefill_pacing_flag_reaches_the_scheduler():
         (["scheduler", "--worker", "w:1", "--prefill-pacing-steps", "48"], 48),
         (["serve", "--prefill-pacing-steps", "32"], 32),
     ):
-        assert options_from_args(parser.parse_args(argv)).prefill_pacing_steps == expected
+        assert Settings.from_args(parser.parse_args(argv)).prefill_pacing_steps == expected
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--prefill-pacing-steps", "-1"])
     with pytest.raises(ValueError, match="prefill_pacing_steps"):
-        EngineOptions(prefill_pacing_steps=-1)
-    # and from the options into the scheduler the engine task builds on connecting
-    options = EngineOptions(max_num_batched_tokens=64, prefill_pacing_steps=16)
+        Settings(prefill_pacing_steps=-1)
+    # and from the settings into the scheduler the engine task builds on connecting
+    options = Settings(max_num_batched_tokens=64, prefill_pacing_steps=16)
     outputs, _, engine = asyncio.run(_serve(options, _prompts(4), 5))
     assert outputs == [reference_tokens(p, 5) for p in _prompts(4)]
     assert engine.scheduler.config.prefill_pacing_steps == 16

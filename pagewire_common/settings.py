@@ -1,0 +1,268 @@
+"""Every engine and service setting, declared once: name, type, default, help and validation.
+
+``Settings`` is the one declaration. Everything else is derived from it:
+- the command-line flags of every command (``add_arguments`` with the scopes the command runs),
+- ``pagewire.LLM``'s keyword arguments (``Settings(**kwargs)``),
+- the flags ``serve`` and the scheduler pass to the processes they start (``to_argv``) and the
+  bench's pass-through to ``serve``,
+- the per-process configs (``RunnerConfig``, ``SchedulerConfig``, ``ApiServerConfig``), whose
+  defaults and checks are these (``default_of``, ``check``).
+
+A scope says which process a setting configures: ``WORKER`` (model, KV cache), ``CORE``
+(batching, admission), ``API`` (what the API servers do per stream), ``PROCESS`` (process
+layout and lifetime). Adding a setting is one field here and its use.
+Torch-free: every layer imports this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+WORKER = "worker"
+CORE = "core"
+API = "api"
+PROCESS = "process"
+ALL_SCOPES = (WORKER, CORE, API, PROCESS)
+DTYPES = ("float32", "float16", "bfloat16")
+WORKER_KINDS = ("model", "null")
+
+
+def parse_bytes_size(text: str) -> int:
+    """'512M', '2G', '1073741824' -> bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = str(text).strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (examples: 512M, 2G)") from None
+
+
+# ---- checks: each returns None when the value is fine, else what is wrong --------------------
+
+
+def _at_least(low: int | float) -> Callable[[Any], str | None]:
+    def check(value):
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+            return f"must be a number >= {low}, got {value!r}"
+        return None
+
+    return check
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    def check(value):
+        return None if value in choices else f"must be one of {', '.join(choices)}, got {value!r}"
+
+    return check
+
+
+def _power_of_two(value) -> str | None:
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+        return f"must be a power of two >= 1, got {value!r}"
+    return None
+
+
+def _setting(default, help: str, *, scope: tuple[str, ...], check=None, type=None, flag=None,
+             negate: str | None = None, metavar=None, choices=None):
+    """One setting. ``negate`` names the flag that turns a default-True bool off
+    (``--no-prefix-cache``); ``type`` parses the flag's text."""
+    return field(default=default, metadata=dict(
+        help=help, scope=scope, check=check, type=type, flag=flag, negate=negate, metavar=metavar,
+        choices=choices,
+    ))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """All settings of a pagewire deployment, validated once on construction (``ValueError``
+    naming the flag)."""
+
+    # ---- worker: model and KV cache --------------------------------------------------------
+    model: str | None = _setting(
+        None, "Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        scope=(WORKER,))
+    served_model_name: str | None = _setting(
+        None, "name reported by GetModelInfo and accepted in requests (default: the model's name)",
+        scope=(WORKER,))
+    dtype: str = _setting(
+        "float32", "weights and KV cache dtype (default: %(default)s)", scope=(WORKER,),
+        check=_one_of(DTYPES), choices=DTYPES)
+    device: str | None = _setting(
+        None, "torch device (default: cuda if available, else cpu)", scope=(WORKER,))
+    block_size: int = _setting(
+        16, "tokens per KV block, a power of two (default: %(default)s)", scope=(WORKER,),
+        check=_power_of_two, type=int)
+    num_kv_blocks: int | None = _setting(
+        None, "KV blocks to allocate (default: as many as --kv-cache-memory holds)", scope=(WORKER,),
+        check=_at_least(1), type=int)
+    kv_cache_bytes: int | None = _setting(
+        None, "memory for the KV cache, e.g. 2G (default: 1G on CPU, 90%% of free GPU memory)",
+        scope=(WORKER,), check=_at_least(1), type=parse_bytes_size, flag="--kv-cache-memory", metavar="SIZE")
+    max_model_len: int | None = _setting(
+        None, "longest prompt + output in tokens (default: the model's)", scope=(WORKER, CORE),
+        check=_at_least(2), type=int)
+    num_threads: int | None = _setting(
+        None, "CPU threads for the worker's torch ops (default: torch's, one per core)", scope=(WORKER,),
+        check=_at_least(1), type=int)
+    cuda_graphs: bool = _setting(
+        True, "run decode steps eagerly on CUDA (default: replay graphs captured at start)", scope=(WORKER,),
+        negate="--no-cuda-graphs")
+    cuda_graph_max_batch: int = _setting(
+        256, "largest decode batch captured as a CUDA graph (default: %(default)s)", scope=(WORKER,),
+        check=_at_least(1), type=int)
+    worker: str = _setting(
+        "model", "model: run the model (default); null: no model math, return fixed ordinary tokens using "
+        "--model's config and tokenizer only, to measure the control plane (scheduler, gRPC, streaming)",
+        scope=(WORKER,), check=_one_of(WORKER_KINDS), choices=WORKER_KINDS)
+
+    # ---- scheduler core: batching and admission ---------------------------------------------
+    max_num_batched_tokens: int = _setting(
+        512, "token budget of one step: prefill chunks + decodes (default: %(default)s)", scope=(CORE,),
+        check=_at_least(1), type=int)
+    max_num_seqs: int = _setting(
+        256, "most sequences running at once (default: %(default)s)", scope=(CORE,), check=_at_least(1), type=int)
+    enable_prefix_caching: bool = _setting(
+        True, "turn the prefix cache off", scope=(CORE,), negate="--no-prefix-cache")
+    max_queued_requests: int = _setting(
+        1024, "waiting requests beyond this get RESOURCE_EXHAUSTED (default: %(default)s)", scope=(CORE,),
+        check=_at_least(0), type=int)
+    overlap: bool = _setting(
+        True, "wait for each step's result before sending the next plan (default: one plan in flight ahead)",
+        scope=(CORE,), negate="--no-overlap")
+    admission_turns: int = _setting(
+        32, "after each step, let the core's event loop turn up to this many times while new requests keep "
+        "arriving, so that a busy engine fills its batches instead of stepping once per arrival; 0: step at "
+        "once (default: %(default)s)", scope=(CORE,), check=_at_least(0), type=int)
+    prefill_pacing_steps: int = _setting(
+        0, "while sequences are decoding, let a step carry only 1/N of the prompt tokens waiting to be "
+        "computed (at least 16), so that prompts arriving in bursts are spread over the next steps and streams "
+        "see an even inter-token latency, at the cost of a longer time to first token; a growing backlog raises "
+        "the share, and with nothing decoding prompts get the whole budget. Try 32-64 for interactive streaming "
+        "with long prompts; 0: off, prompts take what the budget leaves (default: %(default)s)",
+        scope=(CORE,), check=_at_least(0), type=int, metavar="N")
+
+    # ---- API servers: per-stream work ---------------------------------------------------------
+    stream_interval: int = _setting(
+        1, "after a request's first token, send a response once this many tokens are ready (fewer, larger "
+        "messages under heavy load; default: %(default)s, every token)", scope=(API,), check=_at_least(1), type=int)
+
+    # ---- processes ----------------------------------------------------------------------------
+    api_servers: int = _setting(
+        1, "API-server processes sharing the public address (SO_REUSEPORT: the kernel spreads connections); "
+        "each tokenizes, detokenizes and streams its own clients (default: %(default)s)", scope=(PROCESS,),
+        check=_at_least(1), type=int, metavar="N")
+    shutdown_timeout: float = _setting(
+        30.0, "seconds to let running requests finish on SIGTERM (default: %(default)s)", scope=(PROCESS,),
+        check=_at_least(0), type=float)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = check(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(problem)
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    def to_argv(self, scopes: tuple[str, ...]) -> list[str]:
+        """The flags that reproduce the non-default settings of ``scopes`` (for a child process)."""
+        argv: list[str] = []
+        for f in _fields(scopes):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            meta = f.metadata
+            if meta["negate"]:
+                argv.append(meta["negate"])  # only a default-True bool can differ: it is off
+            else:
+                argv += [flag_of(f), str(value)]
+        return argv
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> "Settings":
+        """Settings from a parsed namespace: the fields it has, defaults for the rest."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        given.update(overrides)
+        return cls(**given)
+
+
+SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings))
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _fields(scopes: tuple[str, ...]):
+    return [f for f in dataclasses.fields(Settings) if set(f.metadata["scope"]) & set(scopes)]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def default_of(name: str):
+    """The declared default of a setting (for the per-process config types)."""
+    return _FIELDS[name].default
+
+
+def check(name: str, value) -> str | None:
+    """What is wrong with ``value`` for setting ``name`` (None when it is fine), naming the flag."""
+    f = _FIELDS[name]
+    checker = f.metadata["check"]
+    problem = checker(value) if checker else None
+    return f"{flag_of(f)} ({name}) {problem}" if problem else None
+
+
+def check_all(obj, names) -> None:
+    """Run the declared checks of ``names`` on ``obj``'s attributes (``ValueError``)."""
+    for name in names:
+        problem = check(name, getattr(obj, name))
+        if problem:
+            raise ValueError(problem)
+
+
+def add_arguments(parser: argparse.ArgumentParser, scopes: tuple[str, ...], *, title: str | None = None,
+                  unset_defaults: bool = False, skip: tuple[str, ...] = ()) -> None:
+    """Add the flags of the settings in ``scopes`` to ``parser``. With ``unset_defaults`` every
+    flag defaults to None (a caller that passes on only what was given, like the bench)."""
+    group = parser.add_argument_group(title) if title else parser
+    for f in _fields(scopes):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        if meta["negate"]:
+            group.add_argument(meta["negate"], dest=f.name, action="store_const", const=False,
+                               default=None if unset_defaults else f.default, help=meta["help"])
+            continue
+        kwargs: dict[str, Any] = dict(dest=f.name, default=None if unset_defaults else f.default, help=meta["help"])
+        if meta["type"] is not None:
+            kwargs["type"] = _argparse_type(f.name, meta["type"])
+        if meta["choices"]:
+            kwargs["choices"] = meta["choices"]
+        if meta["metavar"]:
+            kwargs["metavar"] = meta["metavar"]
+        if unset_defaults:
+            kwargs["help"] = kwargs["help"].replace("%(default)s", repr(f.default))
+        group.add_argument(flag_of(f), **kwargs)
+
+
+def _argparse_type(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """The flag's parser, with the declared check applied, so a bad value is a usage error."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e) if "not a size" in str(e) else f"not a number: {text!r}") from None
+        problem = _FIELDS[name].metadata["check"](value) if _FIELDS[name].metadata["check"] else None
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = parse.__name__
+    return convert

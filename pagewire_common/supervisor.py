@@ -1,0 +1,152 @@
+"""Child processes that are kept alive: ``pagewire serve`` (worker, scheduler) and the scheduler
+(its API servers) both run their children under a ``Supervisor``.
+
+- A child that dies after it was ready once is started again, after a back-off that doubles
+  (0.5 s up to 8 s) and starts over once a child has run for a while.
+- A child that dies before it was ever ready (a bad flag, a model that does not load) is not
+  retried: the supervisor gives up at once, so the user sees the first error, not five.
+- More than ``max_restarts`` restarts of one child within ``window_s`` seconds is a crash loop:
+  the supervisor gives up with a message that says which child and how often.
+- Children die with their parent: each one asks the kernel for SIGTERM when its parent goes
+  (``die_with_parent``, called at the start of every pagewire command), so a hard kill of the
+  parent leaves no child behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("pagewire")
+
+PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child started by a ``Supervisor``: have the kernel send SIGTERM when the parent dies
+    (Linux), and exit at once if it already has."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before we got here
+        sys.exit(1)
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    ready: bool = False  # ready at least once since its first start
+    restart_times: deque = field(default_factory=deque)
+    backoff: float = 0.5
+
+
+class Supervisor:
+    def __init__(self, *, max_restarts: int = 5, window_s: float = 60.0, stable_s: float = 30.0,
+                 on_give_up: Callable[[str], None] | None = None, env: dict[str, str] | None = None):
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.stable_s = stable_s  # a child that ran this long starts its back-off over
+        self.on_give_up = on_give_up or (lambda message: None)
+        self.env = env
+        self.children: dict[str, Child] = {}
+        self.stopping = False
+        self.gave_up: str | None = None
+        self.num_restarts = 0
+
+    def start(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv)
+        self.children[name] = child
+        self._spawn(child)
+        return child
+
+    def _spawn(self, child: Child) -> None:
+        env = dict(self.env if self.env is not None else os.environ)
+        env[PARENT_PID_ENV] = str(os.getpid())
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        # its own session: a terminal's Ctrl-C reaches it only through us, after we decide
+        child.proc = subprocess.Popen(child.argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+        child.started_at = time.monotonic()
+
+    def mark_ready(self, name: str) -> None:
+        child = self.children.get(name)
+        if child is not None:
+            child.ready = True
+
+    def pid(self, name: str) -> int | None:
+        child = self.children.get(name)
+        return child.proc.pid if child and child.proc else None
+
+    async def watch(self, interval: float = 0.1) -> None:
+        """Restart children that die, until ``stop`` (or giving up, which calls ``on_give_up``)."""
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            for child in list(self.children.values()):
+                if self.stopping or child.proc is None or child.proc.poll() is None:
+                    continue
+                code = child.proc.returncode
+                if not child.ready:
+                    return self._give_up(f"the {child.name} exited with code {code} before it was ready")
+                now = time.monotonic()
+                if now - child.started_at > self.stable_s:
+                    child.backoff = 0.5
+                times = child.restart_times
+                while times and now - times[0] > self.window_s:
+                    times.popleft()
+                if len(times) >= self.max_restarts:
+                    return self._give_up(
+                        f"the {child.name} crashed {len(times) + 1} times within {self.window_s:.0f} s "
+                        f"(last exit code {code})")
+                times.append(now)
+                print(f"pagewire: the {child.name} exited with code {code}; restarting it in {child.backoff:.1f} s",
+                      file=sys.stderr, flush=True)
+                child.proc = None
+                asyncio.get_running_loop().call_later(child.backoff, self._restart, child)
+                child.backoff = min(child.backoff * 2, 8.0)
+
+    def _restart(self, child: Child) -> None:
+        if self.stopping or self.children.get(child.name) is not child:
+            return
+        self._spawn(child)
+        self.num_restarts += 1
+
+    def _give_up(self, message: str) -> None:
+        self.gave_up = message
+        print(f"pagewire: {message}; stopping", file=sys.stderr, flush=True)
+        self.on_give_up(message)
+
+    async def stop(self, timeout: float = 10.0, names: list[str] | None = None) -> None:
+        """SIGTERM the children (``names``, in that order, each awaited; else all at once) and
+        SIGKILL what is left after ``timeout`` seconds."""
+        self.stopping = True
+        groups = [[n] for n in names] if names else [list(self.children)]
+        for group in groups:
+            procs = [c.proc for n in group if (c := self.children.get(n)) and c.proc is not None]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                while proc.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if proc.poll() is None:
+                    log.warning("a child (pid %d) did not stop within %.0f s; killing it", proc.pid, timeout)
+                    proc.kill()
+                    proc.wait()

@@ -1,0 +1,451 @@
+"""An API server: the public ``pagewire.v1.Generation`` service in front of the scheduler core.
+
+Several API-server processes can listen on one address (SO_REUSEPORT: the kernel spreads the
+connections). Each validates requests, tokenizes prompts and renders chat templates without
+stalling its event loop (``OffloadedTokenizer``), sends them to the core over one ``Connect``
+stream, and turns the core's per-step token arrays into each client's stream: incremental text,
+stop strings (a stop ends the request in the core), ``--stream-interval``. ``GetStats`` and
+``GetModelInfo`` answer from the core's figures. Health is SERVING only while the link to the
+core and the core's link to the worker are both up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagewire_common import wire
+from pagewire_common.v1 import core_pb2, core_pb2_grpc
+from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc
+from scheduler_svc.core_service import Outbox
+from scheduler_svc.engine import RequestOutput, validate_prompt_tokens
+from scheduler_svc.output import TextStream
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.tokenizer import OffloadedTokenizer, Tokenizer
+
+log = logging.getLogger("pagewire.api")
+
+SERVICE_NAME = "pagewire.v1.Generation"
+_FINISH = {None: pb.UNSPECIFIED, FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
+_REASONS = {pb.STOP: FinishReason.STOP, pb.LENGTH: FinishReason.LENGTH}
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_I32 = np.dtype("<i4")
+_I64 = np.dtype("<i8")
+_F32 = np.dtype("<f4")
+CORE_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(slots=True)
+class Failure:
+    """Put on a request's outbox when the core refused or lost it."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the core reported: the limits requests are validated against, and the tokenizer."""
+
+    info: core_pb2.CoreInfoResponse
+    tokenizer: Tokenizer | None
+    offloaded: OffloadedTokenizer | None
+
+
+class _Pending:
+    __slots__ = ("stream", "outbox")
+
+    def __init__(self, stream: TextStream, outbox: Outbox):
+        self.stream = stream
+        self.outbox = outbox
+
+
+class NotReadyError(RuntimeError):
+    pass
+
+
+class ApiServer:
+    """The state of one API-server process: its link to the core and its requests in flight."""
+
+    def __init__(self, core_address: str, stream_interval: int = 1, on_health=None):
+        self.core_address = core_address
+        self.stream_interval = stream_interval
+        self._on_health = on_health or (lambda serving: None)
+        self._channel = grpc.aio.insecure_channel(core_address, options=CORE_CHANNEL_OPTIONS)
+        self._stub = core_pb2_grpc.SchedulerCoreStub(self._channel)
+        self._call = None
+        self._rids = itertools.count(1)
+        self.pending: dict[int, _Pending] = {}
+        self.model: ServedModel | None = None
+        self.core_connected = False
+        self.worker_connected = False
+        self.worker_generation = 0
+        self.connected = asyncio.Event()  # core link up, worker up, model known
+        self._out = core_pb2.CoreRequests()
+        self._aborts: list[int] = []
+        self._stops: list[int] = []
+        self._num_rejected = 0
+        self._flush_wanted = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._said_ready = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(), name="pagewire-core-link"),
+                       loop.create_task(self._write_loop(), name="pagewire-core-writer")]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._call is not None:
+            self._call.cancel()
+        await self._channel.close()
+        if self.model is not None and self.model.offloaded is not None:
+            self.model.offloaded.close()
+
+    @property
+    def is_serving(self) -> bool:
+        return self.connected.is_set()
+
+    async def stats(self) -> pb.Stats:
+        await self.flush()
+        return await self._stub.CoreStats(pb.StatsRequest(), timeout=5)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def reject(self) -> None:
+        """Count a request this server refused (the core's Stats report it)."""
+        self._num_rejected += 1
+        self._flush_wanted.set()
+
+    def submit(self, request_id: str, token_ids: list[int], sampling, outbox: Outbox) -> int:
+        if not self.connected.is_set():
+            raise NotReadyError("the worker is not connected" if self.core_connected else "the scheduler core is not connected")
+        rid = next(self._rids)
+        self.pending[rid] = _Pending(
+            TextStream(request_id, token_ids, sampling, self.model.tokenizer, self.stream_interval), outbox)
+        self._out.adds.append(core_pb2.CoreAdd(
+            rid=rid, prompt_token_ids=np.asarray(token_ids, dtype=_I32).tobytes(),
+            sampling=wire.sampling_to_pb(sampling), request_id=request_id))
+        self._flush_wanted.set()
+        return rid
+
+    def abort(self, rid: int) -> None:
+        """The client went away (cancelled, deadline): the core frees the request's blocks."""
+        if self.pending.pop(rid, None) is not None:
+            self._aborts.append(rid)
+            self._flush_wanted.set()
+
+    async def flush(self) -> None:
+        """Send what is queued for the core now."""
+        if self._call is not None and self._has_queued():
+            await self._write_queued()
+
+    def _has_queued(self) -> bool:
+        return bool(self._out.adds or self._aborts or self._stops or self._num_rejected or self._out.ready)
+
+    async def _write_loop(self) -> None:
+        # one writer: a grpc.aio stream takes one write at a time; whatever piles up while a
+        # write is under way goes out as one message
+        while True:
+            await self._flush_wanted.wait()
+            self._flush_wanted.clear()
+            if self._call is None or not self._has_queued():
+                continue
+            try:
+                await self._write_queued()
+            except (grpc.RpcError, grpc.aio.UsageError, RuntimeError) as e:
+                log.debug("write to the core failed: %s", e)
+
+    async def _write_queued(self) -> None:
+        msg, self._out = self._out, core_pb2.CoreRequests()
+        if self._aborts:
+            msg.abort_rids = np.asarray(self._aborts, dtype=_I64).tobytes()
+            self._aborts = []
+        if self._stops:
+            msg.stop_rids = np.asarray(self._stops, dtype=_I64).tobytes()
+            self._stops = []
+        msg.num_rejected, self._num_rejected = self._num_rejected, 0
+        await self._call.write(msg)
+
+    # ---- the link to the core ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while not self._stopping:
+            try:
+                await self._serve_link()
+                backoff = 0.2
+            except asyncio.CancelledError:
+                raise
+            except grpc.RpcError as e:
+                log.debug("core link: %s", e)
+            except Exception:
+                log.exception("core link failed")
+            self._link_lost("the scheduler core is unavailable")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _serve_link(self) -> None:
+        await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=5, wait_for_ready=True)
+        self._call = self._stub.Connect()
+        self._said_ready = False
+        self.core_connected = True
+        log.info("connected to the scheduler core at %s", self.core_address)
+        async for msg in self._call:
+            if msg.has_worker_state:
+                await self._worker_state(msg)
+            self.dispatch(msg)
+
+    async def _worker_state(self, msg: core_pb2.CoreOutput) -> None:
+        self.worker_connected = msg.worker_connected
+        if msg.worker_connected and (self.model is None or msg.worker_generation != self.worker_generation):
+            info = await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=10)
+            old = self.model
+            tokenizer = Tokenizer.from_files(dict(info.tokenizer_files)) if "tokenizer.json" in info.tokenizer_files else None
+            if old is not None and old.tokenizer is not None and tokenizer is not None and old.tokenizer.files == tokenizer.files:
+                self.model = ServedModel(info, old.tokenizer, old.offloaded)  # same model again: keep the helper
+            else:
+                if old is not None and old.offloaded is not None:
+                    old.offloaded.close()
+                offloaded = None
+                if tokenizer is not None:
+                    offloaded = OffloadedTokenizer(tokenizer)
+                    # start its helper process now, not at the first big prompt
+                    await asyncio.get_running_loop().run_in_executor(None, offloaded.warm_up)
+                self.model = ServedModel(info, tokenizer, offloaded)
+            self.worker_generation = msg.worker_generation
+        self._set_connected(self.worker_connected and self.model is not None)
+        if self.connected.is_set() and not self._said_ready:
+            self._said_ready = True
+            self._out.ready = True
+            self._flush_wanted.set()
+
+    def _set_connected(self, up: bool) -> None:
+        if up and not self.connected.is_set():
+            self.connected.set()
+            self._on_health(True)
+        elif not up and self.connected.is_set():
+            self.connected.clear()
+            self._on_health(False)
+
+    def _link_lost(self, message: str) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        self.core_connected = False
+        self.worker_connected = False
+        self._set_connected(False)
+        self._out = core_pb2.CoreRequests()
+        self._aborts, self._stops, self._num_rejected = [], [], 0
+        pending, self.pending = self.pending, {}
+        failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
+        for p in pending.values():
+            p.outbox.put_nowait(failure)
+
+    def dispatch(self, msg: core_pb2.CoreOutput) -> None:
+        """Apply one step's outputs from the core to this server's streams."""
+        pending = self.pending
+        for err in msg.errors:
+            p = pending.pop(err.rid, None)
+            if p is not None:
+                p.outbox.put_nowait(Failure(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message))
+        if msg.started_rids:
+            cached = np.frombuffer(msg.num_cached_prompt_tokens, dtype=_I32).tolist()
+            for rid, n in zip(np.frombuffer(msg.started_rids, dtype=_I64).tolist(), cached):
+                p = pending.get(rid)
+                if p is not None:
+                    p.stream.num_cached_prompt_tokens = n
+        touched: dict[int, _Pending] = {}
+        if msg.rids:
+            rids = np.frombuffer(msg.rids, dtype=_I64).tolist()
+            tokens = np.frombuffer(msg.token_ids, dtype=_I32).tolist()
+            logprobs = np.frombuffer(msg.logprobs, dtype=_F32).tolist() if msg.logprobs else None
+            for i, rid in enumerate(rids):
+                p = pending.get(rid)
+                if p is None:
+                    continue  # ended here already (stop string, client gone): never streamed or counted
+                if p.stream.add_token(tokens[i], logprobs[i] if logprobs is not None else None):
+                    self._stops.append(rid)
+                touched[rid] = p
+        if msg.finished_rids:
+            reasons = np.frombuffer(msg.finish_reasons, dtype=_I32).tolist()
+            for rid, code in zip(np.frombuffer(msg.finished_rids, dtype=_I64).tolist(), reasons):
+                p = pending.get(rid)
+                if p is not None:
+                    p.stream.finish(_REASONS[code])
+                    touched[rid] = p
+        for rid, p in touched.items():
+            stream = p.stream
+            if stream.ready():
+                p.outbox.put_nowait(stream.take())
+                if stream.finished:
+                    del pending[rid]
+        if self._stops:
+            self._flush_wanted.set()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, api: ApiServer):
+        self.api = api
+        self.draining = False
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        prompt = request.prompt if request.prompt else None
+        ids = list(request.prompt_token_ids) if len(request.prompt_token_ids) else None
+        if prompt is None and ids is None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or prompt_token_ids (both are empty)")
+        if prompt is not None and ids is not None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "give either prompt or prompt_token_ids, not both")
+        async for resp in self._run(request.request_id, prompt, ids, None, request.sampling, request.model, context):
+            yield resp
+
+    async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext):
+        if not request.messages:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "messages is empty")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        async for resp in self._run(request.request_id, None, None, messages, request.sampling, request.model, context):
+            yield resp
+
+    async def GetModelInfo(self, request, context):
+        model = self.api.model
+        if model is None or not self.api.connected.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not connected yet")
+        info = model.info
+        return pb.ModelInfo(
+            model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            block_size=info.block_size, num_kv_blocks=info.num_kv_blocks, eos_token_ids=list(info.eos_token_ids),
+            dtype=info.dtype, device=info.device,
+            has_chat_template=bool(model.tokenizer and model.tokenizer.chat_template),
+        )
+
+    async def GetStats(self, request, context):
+        try:
+            return await self.api.stats()
+        except grpc.RpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler core is unavailable: {e.details()}")
+
+    # ---- one request ------------------------------------------------------------------------
+
+    async def _reject(self, context, code: grpc.StatusCode, message: str):
+        self.api.reject()
+        await context.abort(code, message)
+
+    async def _run(self, request_id, prompt, ids, messages, sampling_msg, model_name, context):
+        api = self.api
+        if self.draining:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        model = api.model
+        if model is None or not api.connected.is_set():
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE,
+                               "the worker is not connected" if api.core_connected else "the scheduler core is not connected")
+        info = model.info
+        if model_name and model_name != info.model_name:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"unknown model {model_name!r}; this server serves {info.model_name!r}")
+        try:
+            sampling = wire.sampling_from_pb(sampling_msg)
+            if ids is None:
+                if model.offloaded is None:
+                    raise ValueError("this model has no tokenizer; send prompt_token_ids")
+                if messages is not None:
+                    _, ids = await model.offloaded.encode_chat(messages)
+                else:
+                    ids = await model.offloaded.encode(prompt)
+                if not ids:
+                    raise ValueError("prompt encodes to no tokens")
+            validate_prompt_tokens(ids, sampling, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                                   strict_length=True)
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        request_id = request_id or uuid.uuid4().hex
+        outbox = Outbox()
+        try:
+            rid = api.submit(request_id, ids, sampling, outbox)
+        except NotReadyError as e:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
+        finished = False
+        try:
+            while not finished:
+                # deltas that piled up while this stream was being written go out as one message
+                items = await outbox.take()
+                last = items[-1]
+                if isinstance(last, Failure):  # always the last item: nothing follows it
+                    finished = True
+                    await context.abort(last.code, last.message)
+                finished = last.finished
+                yield _response(request_id, items)
+        finally:
+            if not finished:  # cancelled, deadline passed, or the client went away
+                api.abort(rid)
+
+
+def _response(request_id: str, items: list[RequestOutput]) -> pb.GenerateResponse:
+    last = items[-1]
+    if len(items) == 1:
+        resp = pb.GenerateResponse(request_id=request_id, token_ids=last.token_ids, text=last.text,
+                                   finish_reason=_FINISH[last.finish_reason])
+    else:
+        resp = pb.GenerateResponse(
+            request_id=request_id,
+            token_ids=[t for it in items for t in it.token_ids],
+            text="".join(it.text for it in items),
+            finish_reason=_FINISH[last.finish_reason],
+        )
+    if last.logprobs is not None:
+        resp.logprobs.extend(lp for it in items for lp in (it.logprobs or ()))
+    if last.usage is not None:
+        u = last.usage
+        resp.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                     cached_prompt_tokens=u.cached_prompt_tokens))
+    return resp
+
+
+async def build_server(api: ApiServer, listen: str, reuse_port: bool):
+    """A started grpc.aio server with Generation, health and reflection; returns
+    (server, port, servicer, health servicer)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
+        ]
+    )
+    servicer = GenerationServicer(api)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return server, port, servicer, health_servicer

@@ -1,0 +1,483 @@
+"""The scheduler core: the engine task, the worker link, and the ``SchedulerCore`` service that the
+API servers talk to.
+
+Everything runs on one asyncio event loop in one thread. Each API server holds one ``Connect``
+stream: its requests (token ids + sampling, already validated) and aborts come in, and after each
+step the core sends it one ``CoreOutput`` with that server's new tokens as packed arrays, so the
+core's cost grows with steps and tokens, not with streamed messages. There is no tokenizer on
+this path. When the worker is lost, every request in flight fails with UNAVAILABLE, block
+accounting starts over, and the task reconnects. When an API server's stream ends (the process
+died or stopped), its requests are aborted and their blocks freed before the next plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from pagewire_common import wire
+from pagewire_common.settings import Settings
+from pagewire_common.v1 import core_pb2, core_pb2_grpc
+from pagewire_common.v1 import generation_pb2 as pb
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import EngineCore, WorkerInfo
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.worker_client import WorkerLink, WorkerLinkError
+
+log = logging.getLogger("pagewire.scheduler")
+
+# a new request needs a couple of turns of the loop to reach the core (CoreService._admit_arrivals)
+QUIET_TURNS = 6
+FINISH_CODES = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
+_I32 = np.dtype("<i4")
+_I64 = np.dtype("<i8")
+_F32 = np.dtype("<f4")
+NAN = float("nan")
+
+
+class Outbox:
+    """Messages for one consumer on the same loop: the producer appends without waiting, the
+    consumer takes everything that piled up at once."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take(self) -> list:
+        """Wait for at least one item; return all that are there, oldest first."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
+
+
+class ApiClient:
+    """One API server's Connect stream: its requests in flight, and the step's outputs for it."""
+
+    def __init__(self, client_id: int, peer: str = ""):
+        self.client_id = client_id
+        self.peer = peer
+        self.rids: dict[int, str] = {}  # rid -> the core's request key
+        self.ready = False  # it knows the model and serves clients
+        self.outbox = Outbox()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.out_rids: list[int] = []
+        self.out_tokens: list[int] = []
+        self.out_logprobs: list[float] = []
+        self.any_logprobs = False
+        self.finished_rids: list[int] = []
+        self.finish_reasons: list[int] = []
+        self.started_rids: list[int] = []
+        self.started_cached: list[int] = []
+        self.errors: list[core_pb2.CoreError] = []
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self.out_rids or self.finished_rids or self.errors)
+
+    def flush(self) -> None:
+        """Send what this step produced for this API server as one message."""
+        msg = core_pb2.CoreOutput(errors=self.errors)
+        if self.out_rids:
+            msg.rids = np.asarray(self.out_rids, dtype=_I64).tobytes()
+            msg.token_ids = np.asarray(self.out_tokens, dtype=_I32).tobytes()
+            if self.any_logprobs:
+                msg.logprobs = np.asarray(self.out_logprobs, dtype=_F32).tobytes()
+        if self.finished_rids:
+            msg.finished_rids = np.asarray(self.finished_rids, dtype=_I64).tobytes()
+            msg.finish_reasons = np.asarray(self.finish_reasons, dtype=_I32).tobytes()
+        if self.started_rids:
+            msg.started_rids = np.asarray(self.started_rids, dtype=_I64).tobytes()
+            msg.num_cached_prompt_tokens = np.asarray(self.started_cached, dtype=_I32).tobytes()
+        self._clear()
+        self.outbox.put_nowait(msg)
+
+    def error(self, rid: int, code: grpc.StatusCode, message: str) -> None:
+        self.errors.append(core_pb2.CoreError(rid=rid, code=code.value[0], message=message))
+
+
+@dataclass(slots=True)
+class _Owner:
+    client: ApiClient
+    rid: int
+
+
+class CoreService(core_pb2_grpc.SchedulerCoreServicer):
+    def __init__(self, worker_address: str, settings: Settings, on_health=None, link_factory=WorkerLink):
+        self.worker_address = worker_address
+        self.settings = settings
+        self._link_factory = link_factory  # address -> a WorkerLink (tests pass an in-process one)
+        self._on_health = on_health or (lambda serving: None)
+        self._link: WorkerLink | None = None
+        self._owners: dict[str, _Owner] = {}  # core request key -> (API server, its rid)
+        self._clients: dict[int, ApiClient] = {}
+        self._client_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self.engine: EngineCore | None = None
+        self.worker_info: WorkerInfo | None = None
+        self.tokenizer_files: dict[str, bytes] = {}
+        self.has_chat_template = False
+        self.worker_generation = 0
+        self.connected = asyncio.Event()
+        self.num_submitted = 0
+        self.num_rejected = 0
+        self.num_steps = 0
+        # figures of engines before the last reconnect
+        self._past = dict(finished=0, aborted=0, preemptions=0)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._link = self._link_factory(self.worker_address)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pagewire-engine")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for client in list(self._clients.values()):
+            client.outbox.put_nowait(None)
+        if self._link is not None:
+            await self._link.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._owners)
+
+    @property
+    def num_ready_clients(self) -> int:
+        return sum(1 for c in self._clients.values() if c.ready)
+
+    # ---- the SchedulerCore service -----------------------------------------------------------
+
+    async def CoreInfo(self, request, context) -> core_pb2.CoreInfoResponse:
+        return self.info_response()
+
+    async def CoreStats(self, request, context) -> pb.Stats:
+        return pb.Stats(**self.stats())
+
+    async def Connect(self, request_iterator, context):
+        client = self.open_client(context.peer())
+        reader = asyncio.get_running_loop().create_task(self._read(client, request_iterator))
+        try:
+            yield self.worker_state_message()
+            while True:
+                for msg in await client.outbox.take():
+                    if msg is None:  # the API server closed its side, or the core stops
+                        return
+                    yield msg
+        finally:
+            reader.cancel()
+            self.close_client(client)
+
+    async def _read(self, client: ApiClient, request_iterator) -> None:
+        try:
+            async for msg in request_iterator:
+                self.apply(client, msg)
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            client.outbox.put_nowait(None)
+
+    def info_response(self) -> core_pb2.CoreInfoResponse:
+        info = self.worker_info
+        msg = core_pb2.CoreInfoResponse(worker_connected=self.connected.is_set(),
+                                        worker_generation=self.worker_generation,
+                                        max_num_seqs=self.settings.max_num_seqs,
+                                        num_api_servers_ready=self.num_ready_clients)
+        if info is not None and self.engine is not None:
+            msg.model_name = info.model_name
+            msg.vocab_size = info.vocab_size
+            msg.max_model_len = self.engine.max_model_len
+            msg.block_size = info.block_size
+            msg.num_kv_blocks = info.num_kv_blocks
+            msg.eos_token_ids.extend(info.eos_token_ids)
+            msg.dtype = info.dtype
+            msg.device = info.device
+            for name, data in self.tokenizer_files.items():
+                msg.tokenizer_files[name] = data
+        return msg
+
+    def worker_state_message(self) -> core_pb2.CoreOutput:
+        return core_pb2.CoreOutput(has_worker_state=True, worker_connected=self.connected.is_set(),
+                                   worker_generation=self.worker_generation)
+
+    def stats(self) -> dict:
+        engine = self.engine
+        alloc = engine.allocator if engine else None
+        return dict(
+            num_total_blocks=alloc.num_blocks if alloc else 0,
+            num_free_blocks=alloc.num_free_blocks if alloc else 0,
+            num_cached_blocks=alloc.num_cached_blocks if alloc else 0,
+            num_running=engine.scheduler.num_running if engine else 0,
+            num_waiting=engine.scheduler.num_waiting if engine else 0,
+            num_requests_finished=self._past["finished"] + (engine.num_finished if engine else 0),
+            num_requests_aborted=self._past["aborted"] + (engine.num_aborted if engine else 0),
+            num_requests_rejected=self.num_rejected,
+            worker_connected=self.connected.is_set(),
+            num_steps=self.num_steps,
+            num_preemptions=self._past["preemptions"] + (engine.scheduler.num_preemptions if engine else 0),
+        )
+
+    # ---- requests from API servers -------------------------------------------------------------
+
+    def open_client(self, peer: str = "") -> ApiClient:
+        client = ApiClient(next(self._client_ids), peer)
+        self._clients[client.client_id] = client
+        log.info("API server %d connected (%s)", client.client_id, peer or "in process")
+        return client
+
+    def close_client(self, client: ApiClient) -> None:
+        """The API server is gone: abort its requests (blocks freed now, dropped by the worker in
+        the next plan)."""
+        if self._clients.pop(client.client_id, None) is None:
+            return
+        engine = self.engine
+        for key in client.rids.values():
+            self._owners.pop(key, None)
+            if engine is not None:
+                engine.abort(key)
+        if client.rids:
+            log.warning("API server %d left with %d requests in flight; aborted them", client.client_id,
+                        len(client.rids))
+        client.rids.clear()
+        self._wake.set()
+
+    def apply(self, client: ApiClient, msg: core_pb2.CoreRequests) -> None:
+        """Add, abort and stop requests of ``client`` (errors go back on its stream now)."""
+        if msg.num_rejected:
+            self.num_rejected += msg.num_rejected
+        if msg.ready:
+            client.ready = True
+        for add in msg.adds:
+            self._add(client, add)
+        engine = self.engine
+        for rids, end in ((msg.abort_rids, "abort"), (msg.stop_rids, "stop")):
+            if not rids:
+                continue
+            for rid in np.frombuffer(rids, dtype=_I64).tolist():
+                key = client.rids.pop(rid, None)
+                if key is None:
+                    continue
+                del self._owners[key]
+                if engine is not None:
+                    if end == "abort":
+                        engine.abort(key)
+                    else:
+                        engine.finish(key, FinishReason.STOP)
+        if client.errors:
+            client.flush()
+        self._wake.set()
+
+    def _add(self, client: ApiClient, add: core_pb2.CoreAdd) -> None:
+        engine = self.engine
+        rid = add.rid
+        if engine is None or not self.connected.is_set():
+            self.num_rejected += 1
+            client.error(rid, grpc.StatusCode.UNAVAILABLE, "the worker is not connected")
+            return
+        if rid in client.rids:
+            self.num_rejected += 1
+            client.error(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already in flight")
+            return
+        limit = self.settings.max_queued_requests
+        if engine.scheduler.num_waiting >= limit:
+            self.num_rejected += 1
+            client.error(rid, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"the queue is full ({limit} requests waiting); retry later")
+            return
+        key = f"{client.client_id}:{rid}"
+        try:
+            sampling = wire.sampling_from_pb(add.sampling)
+            engine.add_request(key, np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling,
+                               strict_length=True)
+        except ValueError as e:
+            self.num_rejected += 1
+            client.error(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
+        client.rids[rid] = key
+        self._owners[key] = _Owner(client, rid)
+        self.num_submitted += 1
+
+    # ---- the engine task -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while not self._stopping:
+            if not self.connected.is_set():
+                if await self._connect():
+                    backoff = 0.2
+                else:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                continue
+            try:
+                await self._serve_steps()
+            except WorkerLinkError as e:
+                self._worker_lost(str(e))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: fail what is in flight rather than hang it
+                log.exception("engine step failed")
+                self._worker_lost("internal error in the scheduler engine")
+
+    async def _connect(self) -> bool:
+        try:
+            info = await self._link.info(timeout=2.0)
+            self._link.open()
+        except WorkerLinkError as e:
+            log.debug("worker not reachable: %s", e)
+            return False
+        files = dict(info.tokenizer_files)
+        eos_id = Tokenizer.from_files(files).eos_token_id if "tokenizer.json" in files else None
+        worker_info = WorkerInfo.build(
+            model_name=info.model_name, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            block_size=info.block_size, num_kv_blocks=info.num_kv_blocks, eos_token_ids=info.eos_token_ids,
+            dtype=info.dtype, device=info.device, tokenizer_eos_token_id=eos_id,
+        )
+        self._retire_engine()
+        config = SchedulerConfig.from_settings(self.settings, info.max_model_len)
+        self.engine = EngineCore(config, worker_info)
+        self.worker_info = worker_info
+        self.tokenizer_files = files
+        self.worker_generation += 1
+        self.connected.set()
+        self._on_health(True)
+        self._broadcast_worker_state()
+        log.info("connected to worker %s: %s, %d KV blocks x %d tokens",
+                 self.worker_address, info.model_name, info.num_kv_blocks, info.block_size)
+        return True
+
+    def _retire_engine(self) -> None:
+        engine = self.engine
+        if engine is not None:
+            self._past["finished"] += engine.num_finished
+            self._past["aborted"] += engine.num_aborted
+            self._past["preemptions"] += engine.scheduler.num_preemptions
+
+    async def _serve_steps(self) -> None:
+        """Run steps while connected; sleep when there is nothing to do."""
+        engine, link = self.engine, self._link
+        depth = 2 if self.settings.overlap else 1
+        admit = depth > 1 and self.settings.admission_turns > 0
+        while not self._stopping:
+            if engine.is_idle():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = engine.next_plan(depth)
+            if plan is not None:
+                await link.send(plan)
+            if engine.should_receive(plan is not None, depth):
+                touched = engine.on_result(await link.receive())
+                self.num_steps += 1
+                self._deliver(touched)
+                if admit:
+                    await self._admit_arrivals()
+            elif plan is None:
+                # nothing to send and nothing outstanding (e.g. a request waits for blocks that
+                # only an abort can free): let the API servers' messages in before trying again
+                await asyncio.sleep(0.001)
+
+    async def _admit_arrivals(self) -> None:
+        """After a step, give the event loop turns while new requests keep arriving.
+
+        Requests reach the core a few loop turns after their API server sends them. Against a fast
+        worker the engine would step on nearly every turn and let requests in about one per step,
+        and every token would carry a share of the per-step plan, result and message costs. Here
+        the engine waits up to ``admission_turns`` turns, and stops after QUIET_TURNS turns with no
+        new request, or once the batch is full. The worker meanwhile executes the plan in flight,
+        so it does not idle unless its step is shorter than these turns; only the overlapped loop
+        calls this."""
+        scheduler = self.engine.scheduler
+        limit = self.engine.config.max_num_seqs
+        quiet = 0
+        for _ in range(self.settings.admission_turns):
+            if scheduler.num_running + scheduler.num_waiting >= limit:
+                return
+            before = self.num_submitted
+            await asyncio.sleep(0)
+            if self.num_submitted != before:
+                quiet = 0
+            else:
+                quiet += 1
+                if quiet == QUIET_TURNS:
+                    return
+
+    def _deliver(self, touched) -> None:
+        """Each touched sequence got one token: append it to its API server's message, and send
+        one message to each API server that has something."""
+        owners = self._owners
+        clients: set[ApiClient] = set()
+        for seq in touched:
+            owner = owners.get(seq.request_id)
+            if owner is None:
+                continue
+            client, rid = owner.client, owner.rid
+            client.out_rids.append(rid)
+            client.out_tokens.append(seq.token_ids[-1])
+            if seq.sampling.logprobs:
+                client.any_logprobs = True
+                client.out_logprobs.append(seq.logprobs[-1])
+            else:
+                client.out_logprobs.append(NAN)
+            if len(seq.token_ids) - seq.num_prompt_tokens == 1:
+                client.started_rids.append(rid)
+                client.started_cached.append(seq.num_cached_prompt_tokens or 0)
+            reason = seq.finish_reason
+            if reason is not None:
+                client.finished_rids.append(rid)
+                client.finish_reasons.append(FINISH_CODES[reason])
+                del owners[seq.request_id]
+                del client.rids[rid]
+            clients.add(client)
+        for client in clients:
+            client.flush()
+
+    def _broadcast_worker_state(self) -> None:
+        for client in self._clients.values():
+            client.outbox.put_nowait(self.worker_state_message())
+
+    def _worker_lost(self, message: str) -> None:
+        log.error("lost the worker: %s; failing in-flight requests and reconnecting", message)
+        self.connected.clear()
+        self._on_health(False)
+        self._link.close_stream()
+        if self.engine is not None:
+            self.engine.reset()
+        text = f"worker unavailable: {message}"
+        for key, owner in self._owners.items():
+            owner.client.error(owner.rid, grpc.StatusCode.UNAVAILABLE, text)
+            owner.client.rids.pop(owner.rid, None)
+        self._owners.clear()
+        for client in self._clients.values():
+            if client.has_output:
+                client.flush()
+        self._broadcast_worker_state()
+

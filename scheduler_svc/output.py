@@ -1,0 +1,144 @@
+"""From sampled tokens to what a client sees: incremental text, stop strings, stream interval.
+
+One ``TextStream`` per request, fed the request's tokens as they come from the engine core (in
+an API server, from the core's per-step messages; in ``pagewire.LLM``, from the engine in the
+same process). It detokenizes incrementally, finds stop strings (the caller then ends the request
+in the core: a token computed past a stop is never streamed or counted), and applies
+``stream_interval``: after the first token, a delta goes out once that many tokens are ready or
+the request ends. Requests with stop strings are detokenized token by token, so a stop is found
+at once; the others only when a delta goes out.
+"""
+
+from __future__ import annotations
+
+from pagewire_common.sampling import SamplingParams
+from scheduler_svc.engine import RequestOutput, Usage
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TextStream:
+    __slots__ = (
+        "request_id", "token_ids", "num_prompt_tokens", "want_logprobs", "logprobs", "detokenizer",
+        "detokenize_each_token", "num_streamed_tokens", "held_text", "finish_reason", "num_cached_prompt_tokens",
+        "stream_interval",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 tokenizer: Tokenizer | None, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)  # prompt + output: the detokenizer reads both
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.want_logprobs = sampling.logprobs
+        self.logprobs: list[float] = []
+        self.detokenizer = (
+            IncrementalDetokenizer.for_prompt(tokenizer, self.num_prompt_tokens, sampling.stop)
+            if tokenizer is not None else None
+        )
+        self.detokenize_each_token = self.detokenizer is not None and bool(sampling.stop)
+        self.num_streamed_tokens = 0
+        self.held_text = ""  # text decoded token by token and not yet in a delta
+        self.finish_reason: FinishReason | None = None
+        self.num_cached_prompt_tokens = 0
+        self.stream_interval = stream_interval
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add_token(self, token_id: int, logprob: float | None = None) -> bool:
+        """Append one sampled token. Returns True when it completed a stop string: the stream is
+        then finished (STOP) and the caller must end the request in the core."""
+        if self.finish_reason is not None:
+            return False  # computed past the end: never streamed or counted
+        self.token_ids.append(token_id)
+        if self.want_logprobs:
+            self.logprobs.append(float("nan") if logprob is None else logprob)
+        if self.detokenize_each_token:
+            detok = self.detokenizer
+            self.held_text += detok.update(self.token_ids, is_final=False)
+            if detok.stopped:
+                self.finish_reason = FinishReason.STOP
+                return True
+        return False
+
+    def finish(self, reason: FinishReason) -> None:
+        """The core ended the request (EOS, stop token id, max_tokens, model length)."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            if self.detokenize_each_token:
+                self.held_text += self.detokenizer.update(self.token_ids, is_final=True)
+
+    def ready(self) -> bool:
+        """Whether a delta should go out now (first token, end, or ``stream_interval`` tokens)."""
+        pending = self.num_output_tokens - self.num_streamed_tokens
+        if self.finish_reason is not None:
+            return True
+        return pending > 0 and (not self.num_streamed_tokens or pending >= self.stream_interval)
+
+    def take(self) -> RequestOutput:
+        """The delta since the last one (text detokenized now if not token by token)."""
+        start = self.num_prompt_tokens + self.num_streamed_tokens
+        new_ids = self.token_ids[start:]
+        new_logprobs = self.logprobs[self.num_streamed_tokens:] if self.want_logprobs else None
+        self.num_streamed_tokens += len(new_ids)
+        is_final = self.finish_reason is not None
+        if self.detokenize_each_token:
+            text, self.held_text = self.held_text, ""
+        elif self.detokenizer is not None:
+            text = self.detokenizer.update(self.token_ids, is_final=is_final)
+        else:
+            text = ""
+        out = RequestOutput(self.request_id, new_ids, text, self.finish_reason, new_logprobs)
+        if is_final:
+            out.usage = Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_prompt_tokens)
+        return out
+
+
+class OutputProcessor:
+    """The ``TextStream`` of every request in flight, fed the engine's token deltas."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1):
+        self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.streams: dict[str, TextStream] = {}
+
+    def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> TextStream:
+        stream = TextStream(request_id, prompt_token_ids, sampling, self.tokenizer, self.stream_interval)
+        self.streams[request_id] = stream
+        return stream
+
+    def remove(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    def process(self, deltas: list[RequestOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply the engine's token deltas (``EngineCore.outputs``). Returns the text deltas due
+        now and the ids of the requests that hit a stop string (end them in the engine)."""
+        touched: dict[str, TextStream] = {}
+        stopped: list[str] = []
+        streams = self.streams
+        for d in deltas:
+            stream = streams.get(d.request_id)
+            if stream is None:
+                continue
+            if d.num_cached_prompt_tokens is not None:
+                stream.num_cached_prompt_tokens = d.num_cached_prompt_tokens
+            for i, token in enumerate(d.token_ids):
+                if stream.add_token(token, d.logprobs[i] if d.logprobs else None):
+                    stopped.append(d.request_id)
+            if d.finish_reason is not None:
+                stream.finish(d.finish_reason)
+            touched[d.request_id] = stream
+        outputs = []
+        for rid, stream in touched.items():
+            if stream.ready():
+                outputs.append(stream.take())
+                if stream.finished:
+                    del streams[rid]
+        return outputs, stopped

@@ -1,0 +1,249 @@
+"""`pagewire serve` with several API-server processes on one port, supervised: parity over many
+connections, an API server or the worker killed mid-stream, a crash before ready, a busy port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from pagewire import LLM, SamplingParams
+from pagewire.v1 import generation_pb2 as pb
+from pagewire.v1 import generation_pb2_grpc
+from tests.service_utils import REPO, Proc, descendants, free_port, sampling, wait_until
+from tests.tiny_models import sample_prompts
+
+pytestmark = pytest.mark.slow
+
+ENGINE = ["--block-size", "4", "--num-kv-blocks", "600", "--max-num-batched-tokens", "64"]
+
+
+def own_stub(addr: str) -> generation_pb2_grpc.GenerationStub:
+    """A stub on its own TCP connection (grpc shares one connection per target by default), so
+    the kernel can hand it to either API server."""
+    channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+def api_server_pids(serve: Proc) -> list[int]:
+    return [pid for pid, argv in descendants(serve.proc.pid) if " api-server " in f" {argv} "]
+
+
+def worker_pid(serve: Proc) -> int:
+    (pid,) = [pid for pid, argv in descendants(serve.proc.pid) if " worker --listen" in argv]
+    return pid
+
+
+def all_blocks_free(addr: str):
+    def done():
+        s = own_stub(addr).GetStats(pb.StatsRequest(), timeout=5)
+        return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks and s
+
+    return wait_until(done, timeout=15)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model_dir, block_size=4, num_kv_blocks=600, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
+    port = free_port()
+    proc = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--api-servers", "2", *ENGINE],
+                tmp_path_factory.mktemp("serve") / "serve.log")
+    proc.wait_for_output("pagewire ready", timeout=120)
+    yield proc, f"127.0.0.1:{port}"
+    proc.stop(30)
+
+
+def test_two_api_servers_greedy_parity_over_20_connections(served, offline, model_dir):
+    serve, addr = served
+    assert len(api_server_pids(serve)) == 2
+    prompts = (sample_prompts(model_dir, n=8) * 3)[:20]
+    expected = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    results: dict[int, tuple[list[int], str, pb.GenerateResponse]] = {}
+
+    def one(i):
+        responses = list(own_stub(addr).Generate(
+            pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=sampling(max_tokens=24)), timeout=60))
+        results[i] = ([t for r in responses for t in r.token_ids], "".join(r.text for r in responses), responses[-1])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert [results[i][0] for i in range(20)] == [o.token_ids for o in expected]
+    assert [results[i][1] for i in range(20)] == [o.text for o in expected]
+    for i in range(20):
+        assert results[i][2].usage.completion_tokens == len(expected[i].token_ids)
+        assert results[i][2].usage.prompt_tokens == len(prompts[i])
+    # both API servers served some of the connections: their text came through each
+    stats = all_blocks_free(addr)
+    assert stats.num_requests_finished >= 20
+
+
+def test_stats_and_model_info_come_from_the_core_whichever_server_answers(served, model_dir):
+    _, addr = served
+    infos = {own_stub(addr).GetModelInfo(pb.ModelInfoRequest()).SerializeToString() for _ in range(8)}
+    assert len(infos) == 1
+    before = own_stub(addr).GetStats(pb.StatsRequest())
+    for _ in range(6):  # rejected at whichever API server gets the connection
+        with pytest.raises(grpc.RpcError) as err:
+            list(own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=[1, 10**6])))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stats = [own_stub(addr).GetStats(pb.StatsRequest()) for _ in range(6)]
+    assert {s.num_requests_rejected - before.num_requests_rejected for s in stats} == {6}
+
+
+def test_killing_an_api_server_fails_only_its_calls_and_serve_replaces_it(served, offline, model_dir):
+    serve, addr = served
+    old = set(api_server_pids(serve))
+    assert len(old) == 2
+    prompts = [p[:20] for p in (sample_prompts(model_dir, n=8) * 3)[:20]]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    expected = [o.token_ids for o in offline.generate(prompts, params)]
+    calls = [own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=200, ignore_eos=True)),
+                                     timeout=120) for p in prompts]
+    firsts = [list(next(c).token_ids) for c in calls]  # every stream is running
+    victim = sorted(old)[0]
+    os.kill(victim, signal.SIGKILL)
+    outcomes: dict[int, object] = {}
+
+    def finish(i):
+        try:
+            outcomes[i] = firsts[i] + [t for r in calls[i] for t in r.token_ids]
+        except grpc.RpcError as e:
+            outcomes[i] = e.code()
+
+    threads = [threading.Thread(target=finish, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    failed = [i for i in range(20) if outcomes[i] == grpc.StatusCode.UNAVAILABLE]
+    completed = [i for i in range(20) if isinstance(outcomes[i], list)]
+    assert failed and completed and len(failed) + len(completed) == 20  # the kernel spread 20 connections
+    for i in completed:
+        assert outcomes[i] == expected[i]
+    all_blocks_free(addr)  # the core aborted the dead server's requests
+    new = wait_until(lambda: (pids := set(api_server_pids(serve))) and len(pids) == 2 and victim not in pids and pids)
+    assert len(new - old) == 1
+    # and the replacement serves: every new connection works
+    wait_until(lambda: "api-server ready" in serve.output().split("exited with code")[-1], timeout=30)
+    for p in prompts[:6]:
+        ids = [t for r in own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=5)))
+               for t in r.token_ids]
+        assert ids == offline.generate([p], SamplingParams(temperature=0, max_tokens=5))[0].token_ids
+    assert "exited with code -9; restarting it" in serve.output()
+
+
+def test_killing_the_worker_gives_unavailable_then_serve_serves_again(served, offline, model_dir):
+    serve, addr = served
+    old_worker = worker_pid(serve)
+    req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling(max_tokens=250, ignore_eos=True))
+    calls = [own_stub(addr).Generate(req, timeout=60) for _ in range(4)]
+    for c in calls:
+        next(c)
+    t0 = time.monotonic()
+    os.kill(old_worker, signal.SIGKILL)
+    for c in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            list(c)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - t0 < 5
+    expected = offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+
+    def serves_again():
+        try:
+            return [t for r in own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                                                           sampling=sampling(max_tokens=8)), timeout=10)
+                    for t in r.token_ids]
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            return None
+
+    assert wait_until(serves_again, timeout=60, interval=0.3) == expected
+    assert worker_pid(serve) != old_worker
+    all_blocks_free(addr)
+
+
+def test_sigterm_leaves_no_process_behind(model_dir, tmp_path):
+    port = free_port()
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--api-servers", "2", *ENGINE],
+                 tmp_path / "serve.log")
+    try:
+        serve.wait_for_output("pagewire ready", timeout=120)
+        children = descendants(serve.proc.pid)
+        roles = sorted(_role(argv) for _, argv in children)
+        # each API server tokenizes big prompts in a helper process (with multiprocessing's tracker)
+        assert roles == ["api-server"] * 2 + ["helper"] * 4 + ["scheduler", "worker"], children
+        serve.signal(signal.SIGTERM)
+        assert serve.proc.wait(30) == 0
+        for pid, _ in children:
+            assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+    finally:
+        serve.kill()
+
+
+def test_hard_kill_of_serve_takes_its_children_down(model_dir, tmp_path):
+    port = free_port()
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", *ENGINE], tmp_path / "serve.log")
+    try:
+        serve.wait_for_output("pagewire ready", timeout=120)
+        children = descendants(serve.proc.pid)
+        assert sorted(_role(argv) for _, argv in children) == ["api-server", "helper", "helper", "scheduler", "worker"]
+        os.kill(serve.proc.pid, signal.SIGKILL)
+        serve.proc.wait()
+        wait_until(lambda: all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid, _ in children), timeout=30)
+    finally:
+        serve.kill()
+
+
+def test_a_worker_that_cannot_start_stops_serve_with_one_clear_message(tmp_path):
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "pagewire.cli", "serve", "--model", str(tmp_path / "no-such-model"),
+                          "--listen", f"127.0.0.1:{port}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "the worker exited with code 2 before it was ready; stopping" in out.stderr
+    assert out.stderr.count("no-such-model") >= 1 and "restarting" not in out.stderr
+
+
+def test_a_busy_port_is_one_clear_line(model_dir, tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "pagewire.cli", "serve", "--model", str(model_dir),
+                              "--listen", f"127.0.0.1:{port}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _role(argv: str) -> str:
+    for role in ("api-server", "scheduler", "worker"):
+        if f"pagewire.cli --log-level info {role} " in argv:
+            return role
+    return "helper"
