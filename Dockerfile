@@ -1,4 +1,4 @@
-# One image for both services; docker-compose.yml runs it as `worker` and `scheduler`.
+# One image for all services; docker-compose.yml runs it as `worker` and `scheduler` (core + API servers).
 FROM python:3.11-slim
 
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEWIRE_CACHE_DIR=/cache
@@ -14,6 +14,7 @@ RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC"
 
 COPY pyproject.toml README.md ./
 COPY pagewire ./pagewire
+COPY pagewire_common ./pagewire_common
 COPY kvcache ./kvcache
 COPY scheduler_svc ./scheduler_svc
 COPY worker_svc ./worker_svc

@@ -15,6 +15,7 @@ from pagewire_common.v1 import generation_pb2 as pb
 from tests.service_utils import REPO, Proc, free_port, sampling, stub
 
 COMPOSE = REPO / "docker-compose.yml"
+COMPOSE_GPU = REPO / "docker-compose.gpu.yml"
 SMOLLM2_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -35,8 +36,8 @@ SMOLLM2_PROMPTS = [
 ]
 
 
-def compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
+def compose(path=COMPOSE) -> dict:
+    return yaml.safe_load(path.read_text())
 
 
 def test_compose_structure():
@@ -45,8 +46,13 @@ def test_compose_structure():
     assert worker["command"][0] == "worker" and scheduler["command"][0] == "scheduler"
     assert scheduler["depends_on"]["worker"]["condition"] == "service_healthy"
     assert "50051:50051" in scheduler["ports"]
-    gpu = worker["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["capabilities"] == ["gpu"]
+    # both tiers come back when they die; the scheduler runs several API servers
+    assert worker["restart"] == scheduler["restart"] == "unless-stopped"
+    assert int(scheduler["command"][scheduler["command"].index("--api-servers") + 1]) >= 2
+    # a CPU-only host can run the base file: the GPU request lives in the override file
+    assert "deploy" not in worker
+    gpu = compose(COMPOSE_GPU)["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"] and gpu["driver"] == "nvidia"
     # the scheduler reaches the worker at the address the worker listens on
     worker_port = worker["command"][worker["command"].index("--listen") + 1].rsplit(":", 1)[1]
     assert scheduler["command"][scheduler["command"].index("--worker") + 1] == f"worker:{worker_port}"
@@ -58,8 +64,10 @@ def test_docker_compose_config_validates():
         if os.environ.get("CI"):
             pytest.fail("docker-compose (Debian package) is missing in CI: .ci/run installs it")
         pytest.skip("docker-compose (Debian package) not installed: apt-get install docker-compose")
-    out = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0, out.stderr
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+        argv = ["docker-compose", *(a for f in files for a in ("-f", str(f))), "config", "-q"]
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
+        assert out.returncode == 0, out.stderr
 
 
 def _localize(command: list[str], ports: dict[str, int]) -> list[str]:
