@@ -202,7 +202,7 @@ def _fields(scopes: tuple[str, ...]):
 
 
 def flag_of(f: dataclasses.Field) -> str:
-    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+    return f.metadata["negate"] or f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
 def default_of(name: str):

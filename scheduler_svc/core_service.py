@@ -306,21 +306,22 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self.num_rejected += 1
             client.error(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already in flight")
             return
+        key = f"{client.client_id}:{rid}"
+        try:
+            sampling = wire.sampling_from_pb(add.sampling)
+            token_ids = engine.validate(np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling,
+                                        strict_length=True)
+        except ValueError as e:
+            self.num_rejected += 1
+            client.error(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return
         limit = self.settings.max_queued_requests
         if engine.scheduler.num_waiting >= limit:
             self.num_rejected += 1
             client.error(rid, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"the queue is full ({limit} requests waiting); retry later")
             return
-        key = f"{client.client_id}:{rid}"
-        try:
-            sampling = wire.sampling_from_pb(add.sampling)
-            engine.add_request(key, np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling,
-                               strict_length=True)
-        except ValueError as e:
-            self.num_rejected += 1
-            client.error(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return
+        engine.add_request(key, token_ids, sampling, validated=True)
         client.rids[rid] = key
         self._owners[key] = _Owner(client, rid)
         self.num_submitted += 1

@@ -153,11 +153,14 @@ class EngineCore:
         return token_ids
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
-                    sampling: SamplingParams | None = None, *, strict_length: bool = False) -> Sequence:
+                    sampling: SamplingParams | None = None, *, strict_length: bool = False,
+                    validated: bool = False) -> Sequence:
+        """Queue a request (``validated``: the caller already ran ``validate`` on these ids)."""
         sampling = sampling or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        token_ids = self.validate(prompt_token_ids, sampling, strict_length=strict_length)
+        token_ids = prompt_token_ids if validated else self.validate(prompt_token_ids, sampling,
+                                                                     strict_length=strict_length)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=token_ids,
                        sampling=sampling)
         self.scheduler.add(seq)

@@ -88,3 +88,25 @@ def test_cli_help_lists_commands():
     out = subprocess.run([sys.executable, "-m", "pagewire.cli", "serve", "--help"], cwd=REPO, capture_output=True, text=True)
     for flag in ("--model", "--listen", "--block-size", "--max-num-batched-tokens", "--no-prefix-cache", "--no-overlap"):
         assert flag in out.stdout
+
+
+def test_layers_import_only_downwards():
+    """pagewire_common (the floor) imports no other layer; kvcache and the services never import
+    the face (pagewire/), which nothing below imports."""
+    import re
+
+    rules = {
+        "pagewire_common": ("pagewire", "kvcache", "scheduler_svc", "worker_svc"),
+        "kvcache": ("pagewire", "scheduler_svc", "worker_svc"),
+        "scheduler_svc": ("pagewire", "worker_svc"),
+        "worker_svc": ("pagewire", "scheduler_svc"),
+    }
+    for package, forbidden in rules.items():
+        for path in (REPO / package).rglob("*.py"):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            for line in path.read_text().splitlines():
+                m = re.match(r"\s*(?:from|import)\s+([\w.]+)", line)
+                if m:
+                    top = m.group(1).split(".")[0]
+                    assert top not in forbidden, f"{path.relative_to(REPO)} imports {m.group(1)}"

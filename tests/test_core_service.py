@@ -21,6 +21,7 @@ from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2
 from scheduler_svc.core_service import ApiClient, CoreService
+from scheduler_svc.worker_client import WorkerLinkError
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
 
 BLOCK_SIZE = 4
@@ -39,6 +40,7 @@ class InProcessLink:
         self.submitted_at_send: list[int] = []  # requests submitted so far, as each plan arrives
         self._turns = turns
         self.turn_at_send: list[int] = []  # event-loop turns so far, as each plan arrives
+        self.fail: str | None = None
 
     async def info(self, timeout: float = 5.0):
         return SimpleNamespace(
@@ -56,6 +58,8 @@ class InProcessLink:
 
     async def receive(self):
         await asyncio.sleep(0)
+        if self.fail:
+            raise WorkerLinkError(self.fail)
         return self.results.pop(0)
 
     def close_stream(self) -> None:
@@ -238,3 +242,138 @@ def test_prefill_pacing_flag_reaches_the_scheduler():
     outputs, _, engine = asyncio.run(_serve(options, _prompts(4), 5))
     assert outputs == [reference_tokens(p, 5) for p in _prompts(4)]
     assert engine.scheduler.config.prefill_pacing_steps == 16
+
+
+async def _core(options: Settings):
+    links: list[InProcessLink] = []
+
+    def factory(address):
+        links.append(InProcessLink(address))
+        return links[-1]
+
+    service = CoreService("in-process", options, link_factory=factory)
+    service.start()
+    await asyncio.wait_for(service.connected.wait(), 5)
+    return service, links
+
+
+def test_two_api_servers_get_one_message_per_step_with_only_their_tokens():
+    async def main():
+        service, links = await _core(Settings(max_num_batched_tokens=4096, admission_turns=0))
+        a, b = service.open_client(), service.open_client()
+        sampling = SamplingParams(max_tokens=9, ignore_eos=True)
+        prompts = _prompts(10)
+        got = {a: Received(), b: Received()}
+        collectors = [asyncio.ensure_future(got[c].collect(c, 5)) for c in (a, b)]
+        # the same rids on both servers: the core keeps them apart
+        service.apply(a, core_pb2.CoreRequests(adds=[_add(i, prompts[i], sampling) for i in range(5)]))
+        service.apply(b, core_pb2.CoreRequests(adds=[_add(i, prompts[5 + i], sampling) for i in range(5)]))
+        await asyncio.wait_for(asyncio.gather(*collectors), 30)
+        steps = service.num_steps
+        engine = service.engine
+        await service.stop()
+        return got[a], got[b], steps, engine
+
+    ra, rb, steps, engine = asyncio.run(main())
+    prompts = _prompts(10)
+    assert ra.tokens == {i: reference_tokens(prompts[i], 9) for i in range(5)}
+    assert rb.tokens == {i: reference_tokens(prompts[5 + i], 9) for i in range(5)}
+    assert set(ra.finished.values()) == set(rb.finished.values()) == {2}  # LENGTH
+    # one message per step that produced tokens for that server (plus the worker state at the start)
+    assert ra.num_messages <= steps and rb.num_messages <= steps
+    assert ra.num_messages == 9 and rb.num_messages == 9  # all five decode together: 9 steps of 5 tokens
+    engine.allocator.check_integrity()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_a_closed_api_server_stream_aborts_its_requests_and_frees_their_blocks():
+    async def main():
+        service, _ = await _core(Settings(max_num_batched_tokens=4096))
+        gone, stays = service.open_client(), service.open_client()
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        service.apply(gone, core_pb2.CoreRequests(adds=[_add(i, p, long) for i, p in enumerate(_prompts(4))]))
+        received = Received()
+        collector = asyncio.ensure_future(received.collect(stays, 2))
+        service.apply(stays, core_pb2.CoreRequests(adds=[_add(i, p, SamplingParams(max_tokens=30, ignore_eos=True))
+                                                         for i, p in enumerate(_prompts(2))]))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert service.engine.scheduler.num_running == 6
+        service.close_client(gone)  # its Connect stream ended
+        await asyncio.wait_for(collector, 30)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        stats = service.stats()
+        engine = service.engine
+        await service.stop()
+        return received, stats, engine
+
+    received, stats, engine = asyncio.run(main())
+    assert received.tokens == {i: reference_tokens(p, 30) for i, p in enumerate(_prompts(2))}
+    assert stats["num_requests_aborted"] == 4 and stats["num_requests_finished"] == 2
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    engine.allocator.check_integrity()
+
+
+def test_refusals_come_back_on_the_stream_with_their_status():
+    async def main():
+        service, _ = await _core(Settings(max_num_seqs=1, max_queued_requests=1, max_num_batched_tokens=64))
+        client = service.open_client()
+        ok = SamplingParams(max_tokens=50, ignore_eos=True)
+        received = Received()
+        collector = asyncio.ensure_future(received.collect(client, 4))
+        service.apply(client, core_pb2.CoreRequests(adds=[_add(1, [1, 2, 3], ok)]))
+        for _ in range(10):
+            await asyncio.sleep(0)  # 1 runs
+        service.apply(client, core_pb2.CoreRequests(adds=[
+            _add(2, [1, 2, 3], ok),  # waits
+            _add(3, [1, 2, 3], ok),  # the queue is full
+            _add(4, [1, VOCAB + 5], ok),  # outside the vocabulary
+            _add(2, [4, 5], ok),  # the same rid again
+        ]))
+        await asyncio.wait_for(collector, 30)
+        while service.engine.has_unfinished() or received.tokens.get(2, []) == [] or 2 not in received.finished:
+            more = Received()
+            await asyncio.wait_for(more.collect(client, 1), 30)
+            received.tokens.update(more.tokens)
+            received.finished.update(more.finished)
+        stats = service.stats()
+        await service.stop()
+        return received, stats
+
+    received, stats = asyncio.run(main())
+    codes = {rid: grpc.StatusCode.__members__[name] for rid, (code, _) in received.errors.items()
+             for name, member in grpc.StatusCode.__members__.items() if member.value[0] == code}
+    assert codes == {3: grpc.StatusCode.RESOURCE_EXHAUSTED, 4: grpc.StatusCode.INVALID_ARGUMENT,
+                     2: grpc.StatusCode.ALREADY_EXISTS}
+    assert "outside the vocabulary" in received.errors[4][1]
+    assert received.tokens[1] == reference_tokens([1, 2, 3], 50)
+    assert stats["num_requests_rejected"] == 3
+
+
+def test_a_lost_worker_fails_every_request_with_unavailable():
+    async def main():
+        service, links = await _core(Settings(max_num_batched_tokens=4096))
+        a, b = service.open_client(), service.open_client()
+        long = SamplingParams(max_tokens=500, ignore_eos=True)
+        service.apply(a, core_pb2.CoreRequests(adds=[_add(i, p, long) for i, p in enumerate(_prompts(3))]))
+        service.apply(b, core_pb2.CoreRequests(adds=[_add(7, [1, 2], long)]))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        ra, rb = Received(), Received()
+        ca = asyncio.ensure_future(ra.collect(a, 3))
+        cb = asyncio.ensure_future(rb.collect(b, 1))
+        links[0].fail = "test: the worker went away"  # the next read from the worker fails
+        await asyncio.wait_for(asyncio.gather(ca, cb), 10)
+        await asyncio.wait_for(service.connected.wait(), 5)  # reconnects, fresh accounting
+        stats = service.stats()
+        await service.stop()
+        return ra, rb, stats, len(links)
+
+    ra, rb, stats, num_links = asyncio.run(main())
+    assert num_links == 1  # the same link object reconnects
+    unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+    assert {rid: code for rid, (code, _) in ra.errors.items()} == {0: unavailable, 1: unavailable, 2: unavailable}
+    assert {rid: code for rid, (code, _) in rb.errors.items()} == {7: unavailable}
+    assert "the worker went away" in rb.errors[7][1]
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]

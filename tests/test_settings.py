@@ -1,0 +1,124 @@
+"""One declaration of every setting (pagewire_common.settings): flags, LLM keywords, child-process
+flags, configs and the bench's pass-through all derive from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagewire.cli import build_parser
+from pagewire_common.settings import ALL_SCOPES, API, CORE, PROCESS, WORKER, Settings, flag_of
+from scheduler_svc.config import SchedulerConfig
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+# the settings of each command's process(es)
+COMMANDS = {
+    "serve": (WORKER, CORE, API, PROCESS),
+    "worker": (WORKER,),
+    "scheduler": (CORE, API, PROCESS),
+    "api-server": (API,),
+}
+REQUIRED = {"worker": ["--listen", "x"], "scheduler": ["--worker", "x"], "api-server": ["--scheduler", "x"]}
+# a non-default value for each setting, to see it travel
+SAMPLE = dict(model="/m", served_model_name="m", dtype="bfloat16", device="cpu", block_size=8, num_kv_blocks=77,
+              kv_cache_bytes=1 << 20, max_model_len=99, num_threads=3, cuda_graphs=False, cuda_graph_max_batch=12,
+              worker="null", max_num_batched_tokens=48, max_num_seqs=5, enable_prefix_caching=False,
+              max_queued_requests=7, overlap=False, admission_turns=4, prefill_pacing_steps=9, stream_interval=3,
+              api_servers=2, shutdown_timeout=4.5)
+
+
+def test_every_setting_has_help_a_scope_and_a_sample():
+    assert set(SAMPLE) == set(FIELDS)
+    for f in FIELDS.values():
+        assert f.metadata["help"] and set(f.metadata["scope"]) <= set(ALL_SCOPES), f.name
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_each_command_has_the_flags_of_its_scopes_with_the_declared_defaults(command):
+    parser = build_parser()
+    args = parser.parse_args([command, *REQUIRED.get(command, [])])
+    scopes = COMMANDS[command]
+    for name, f in FIELDS.items():
+        wanted = bool(set(f.metadata["scope"]) & set(scopes)) and not (command == "api-server" and name == "api_servers")
+        if command == "api-server" and name == "shutdown_timeout":
+            wanted = True
+        assert hasattr(args, name) == wanted, (command, name)
+        if wanted:
+            assert getattr(args, name) == f.default, (command, name)
+    assert Settings.from_args(args) == Settings()
+
+
+def test_child_flags_round_trip_through_the_commands_that_run_them():
+    settings = Settings(**SAMPLE)
+    parser = build_parser()
+    for command, scopes in COMMANDS.items():
+        argv = settings.to_argv(scopes)
+        parsed = Settings.from_args(parser.parse_args([command, *REQUIRED.get(command, []), *argv]))
+        for name, f in FIELDS.items():
+            if set(f.metadata["scope"]) & set(scopes) and hasattr(parser.parse_args([command, *REQUIRED.get(command, [])]), name):
+                assert getattr(parsed, name) == SAMPLE[name], (command, name)
+    assert Settings().to_argv(ALL_SCOPES) == []  # defaults are not repeated
+
+
+@pytest.mark.parametrize("name, bad", [("max_num_seqs", 0), ("block_size", 12), ("dtype", "int4"),
+                                       ("admission_turns", -1), ("api_servers", 0), ("max_model_len", 1),
+                                       ("worker", "gpu"), ("shutdown_timeout", -1.0)])
+def test_bad_values_are_refused_by_the_flag_and_by_the_object(name, bad, capsys):
+    with pytest.raises(ValueError, match=flag_of(FIELDS[name])):
+        Settings(**{name: bad})
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", flag_of(FIELDS[name]), str(bad)])
+    assert flag_of(FIELDS[name]) in capsys.readouterr().err
+
+
+def test_component_configs_take_their_defaults_and_checks_from_the_settings():
+    from worker_svc.runner import RunnerConfig
+
+    config = SchedulerConfig(max_model_len=64)
+    for name in ("max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching", "max_queued_requests",
+                 "prefill_pacing_steps"):
+        assert getattr(config, name) == FIELDS[name].default
+    runner = RunnerConfig()
+    for name in ("block_size", "num_kv_blocks", "kv_cache_bytes", "dtype", "device", "max_model_len", "cuda_graphs",
+                 "cuda_graph_max_batch"):
+        assert getattr(runner, name) == FIELDS[name].default
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        SchedulerConfig(max_model_len=64, max_num_seqs=0)
+    with pytest.raises(ValueError, match="--block-size"):
+        RunnerConfig(block_size=3)
+    s = Settings(**SAMPLE)
+    assert SchedulerConfig.from_settings(s, 1000).max_model_len == 99  # capped by --max-model-len
+    assert SchedulerConfig.from_settings(s, 50).max_model_len == 50  # and by the worker's
+    assert RunnerConfig.from_settings(s).num_kv_blocks == 77
+
+
+def test_llm_takes_the_settings_as_keywords(tiny_model_dir):
+    from pagewire import LLM
+
+    with pytest.raises(TypeError, match="unknown settings"):
+        LLM(tiny_model_dir("llama-gqa"), max_num_seq=4)
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        LLM(tiny_model_dir("llama-gqa"), max_num_seqs=0)
+    llm = LLM(tiny_model_dir("llama-gqa"), block_size=4, num_kv_blocks=50)
+    assert llm.engine.config.max_num_seqs == FIELDS["max_num_seqs"].default
+    assert llm.engine.allocator.num_blocks == 50 and llm.runner.block_size == 4
+
+
+def test_the_bench_passes_every_engine_setting_through():
+    from pagewire.bench.server import passthrough_flags, serve_argv
+
+    parser = build_parser()
+    passed = {name for _flag, name in passthrough_flags()}
+    assert passed == set(FIELDS) - {"served_model_name", "shutdown_timeout"}
+    argv = ["bench", "--serve"]
+    for flag, name in passthrough_flags():
+        if FIELDS[name].metadata["negate"]:
+            argv.append(flag)
+        else:
+            argv += [flag, str(SAMPLE[name])]
+    cmd = serve_argv(parser.parse_args(argv), "127.0.0.1:1")
+    served = Settings.from_args(parser.parse_args(cmd[cmd.index("--log-level"):]))
+    for name in passed:
+        assert getattr(served, name) == SAMPLE[name], name
