@@ -1,20 +1,24 @@
-"""CPU per completion token of the scheduler and the worker under the null-worker load.
+"""CPU per streamed token of every process of `pagewire serve --worker null`, for several numbers
+of API servers in one invocation (docs/benchmarks.md, "Control plane: null worker").
 
-    python benchmarks/null_worker_cpu.py [--max-new-tokens 64] [--stream-interval 16]
-        [--num-requests 2048] [--repeat-runs 3] [--concurrency 256] [--admission-turns N]
+    python benchmarks/null_worker_cpu.py [--api-servers 1,2] [--max-new-tokens 64] [--stream-interval 1]
+        [--num-requests 2048] [--repeat-runs 2] [--concurrency 256] [--json PATH]
 
-Starts `pagewire serve --worker null`, warms it up with one `pagewire bench --addr` run, then
-reads the scheduler's and the worker's CPU time (user + system, from /proc) around the measured
-`pagewire bench` runs and divides by the completion tokens they produced. CPU per token varies
-far less from run to run than throughput on a shared VM, so it is the figure to compare changes
-by; varying --max-new-tokens and --stream-interval separates per-request, per-token and
-per-message costs (docs/benchmarks.md, section 3). Linux only (/proc).
+For each API-server count it starts `pagewire serve --worker null --api-servers N`, warms it up
+with one `pagewire bench --addr` run, then reads the CPU time (user + system, from /proc) of the
+core, of each API server (with its tokenizer helper), of the worker and of serve itself around the
+measured runs, and divides by the completion tokens streamed. CPU per token varies far less from
+run to run than throughput on a shared VM, so it is the figure to compare by, and it gives the
+ceiling of a machine with enough cores: tokens/s = min over tiers of (processes in the tier /
+CPU seconds per token of one). Linux only (/proc).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -32,68 +36,129 @@ def num_steps(addr: str) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    """CPU of ``pid`` and of its children it has waited for (utime + stime + cutime + cstime)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(addr: str, args, num_requests: int, runs: int, warmup: int) -> str:
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def processes(serve_pid: int) -> dict[str, list[int]]:
+    """Role -> pids: the serve supervisor, the worker, the core, each API server (its helper
+    processes, tokenizer and multiprocessing's tracker, counted with it)."""
+    roles: dict[str, list[int]] = {"serve": [serve_pid]}
+    for child in _child_pids(serve_pid):
+        argv = cmdline(child)
+        if " worker " in argv:
+            roles["worker"] = [child]
+        elif " scheduler " in argv:
+            roles["core"] = [child]
+            for i, api in enumerate(_child_pids(child), 1):
+                roles[f"api-server {i}"] = [api, *_child_pids(api)]
+    return roles
+
+
+def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
+    return {role: sum(cpu_seconds(p) for p in pids) for role, pids in roles.items()}
+
+
+def bench(addr: str, args, num_requests: int, runs: int) -> str:
     argv = [
         sys.executable, "-m", "pagewire.cli", "bench", "--addr", addr, "--num-requests", str(num_requests),
         "--concurrency", str(args.concurrency), "--max-new-tokens", str(args.max_new_tokens),
-        "--prompt-len", "16", "--ignore-eos", "--repeat-runs", str(runs), "--warmup-runs", str(warmup),
-        "--no-progress",
+        "--prompt-len", "16", "--ignore-eos", "--repeat-runs", str(runs), "--warmup-runs", "0", "--no-progress",
     ]
+    if args.client_processes:
+        argv += ["--client-processes", str(args.client_processes)]
     out = subprocess.run(argv, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"pagewire bench failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
     return out.stdout + out.stderr
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--stream-interval", type=int, default=16)
-    p.add_argument("--num-requests", type=int, default=2048)
-    p.add_argument("--repeat-runs", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=256)
-    p.add_argument("--admission-turns", type=int, default=None, help="passed to `pagewire serve` when given")
-    args = p.parse_args()
-
+def measure(num_api_servers: int, args) -> dict:
     addr = f"127.0.0.1:{_free_port()}"
     server = ServedServer(
         [sys.executable, "-m", "pagewire.cli", "serve", "--worker", "null", "--listen", addr,
-         "--max-num-seqs", str(args.concurrency), "--stream-interval", str(args.stream_interval)]
-        + ([] if args.admission_turns is None else ["--admission-turns", str(args.admission_turns)]),
+         "--max-num-seqs", str(args.concurrency), "--stream-interval", str(args.stream_interval),
+         "--api-servers", str(num_api_servers)],
         addr,
     )
-    server.start(timeout=120)
+    server.start(timeout=180)
     try:
-        workers = _child_pids(server.proc.pid)
-        if len(workers) != 1:
-            raise SystemExit(f"expected one worker process under `pagewire serve`, found {workers}")
-        worker = workers[0]
-        bench(addr, args, min(args.num_requests, 1024), runs=1, warmup=0)  # warm up
-        steps0 = num_steps(addr)
-        sched0, worker0 = cpu_seconds(server.proc.pid), cpu_seconds(worker)
-        out = bench(addr, args, args.num_requests, runs=args.repeat_runs, warmup=0)
-        sched1, worker1 = cpu_seconds(server.proc.pid), cpu_seconds(worker)
-        steps1 = num_steps(addr)
+        roles = processes(server.proc.pid)
+        expected = {"serve", "worker", "core", *(f"api-server {i}" for i in range(1, num_api_servers + 1))}
+        if set(roles) != expected:
+            raise SystemExit(f"unexpected process tree under `pagewire serve`: {roles}")
+        bench(addr, args, min(args.num_requests, 1024), runs=1)  # warm up
+        steps0, cpu0 = num_steps(addr), cpu_by_role(roles)
+        out = bench(addr, args, args.num_requests, runs=args.repeat_runs)
+        cpu1, steps1 = cpu_by_role(roles), num_steps(addr)
     finally:
         server.stop()
     tokens = args.num_requests * args.max_new_tokens * args.repeat_runs
     rates = [float(x.replace(",", "")) for x in re.findall(r"([\d,]+\.\d) output tok/s", out)]
-    client = [int(x) for x in re.findall(r"client CPU (\d+)%", out)]
-    print(f"{args.repeat_runs} runs x {args.num_requests} requests x {args.max_new_tokens} tokens, "
-          f"stream interval {args.stream_interval}, {args.concurrency} streams")
-    print(f"completion tok/s per run: {', '.join(f'{r:,.0f}' for r in rates)}")
-    print(f"scheduler CPU per token: {1e6 * (sched1 - sched0) / tokens:.2f} us")
-    print(f"worker CPU per token:    {1e6 * (worker1 - worker0) / tokens:.2f} us")
-    print(f"scheduler CPU per request: {1e6 * (sched1 - sched0) / (args.num_requests * args.repeat_runs):.0f} us")
-    print(f"steps: {steps1 - steps0}, {tokens / max(steps1 - steps0, 1):.1f} tokens per step "
-          f"(out of at most {args.concurrency} sequences)")
-    if client:
-        print(f"bench client CPU: {', '.join(f'{c}%' for c in client)}")
+    us_per_token = {role: 1e6 * (cpu1[role] - cpu0[role]) / tokens for role in roles}
+    api = [us_per_token[r] for r in roles if r.startswith("api-server")]
+    return {
+        "api_servers": num_api_servers,
+        "tokens": tokens,
+        "steps": steps1 - steps0,
+        "tokens_per_step": tokens / max(steps1 - steps0, 1),
+        "completion_tok_s": rates,
+        "cpu_us_per_token": us_per_token,
+        "api_server_us_per_token": sum(api),  # all API servers together: the tier's cost per token
+        "client_cpu": [int(x) for x in re.findall(r"client CPU (\d+)%", out)],
+    }
+
+
+def cpu_isa() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return platform.machine()
+    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
+        if isa in flags:
+            return isa
+    return platform.machine()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--api-servers", default="1,2", help="comma-separated API-server counts (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--num-requests", type=int, default=2048)
+    p.add_argument("--repeat-runs", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--client-processes", type=int, default=None, help="passed to `pagewire bench`")
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args()
+    results = [measure(int(n), args) for n in args.api_servers.split(",")]
+    print(f"{args.repeat_runs} runs x {args.num_requests} requests x {args.max_new_tokens} tokens, stream interval "
+          f"{args.stream_interval}, {args.concurrency} streams, {os.cpu_count()} cores ({cpu_isa()})")
+    for r in results:
+        cpu = r["cpu_us_per_token"]
+        per_role = ", ".join(f"{role} {us:.1f}" for role, us in cpu.items())
+        core, api = cpu["core"], r["api_server_us_per_token"]
+        print(f"--api-servers {r['api_servers']}: {', '.join(f'{x:,.0f}' for x in r['completion_tok_s'])} tok/s; "
+              f"CPU us/token: {per_role}; {r['tokens_per_step']:.0f} tokens/step")
+        need = -(-50_000 * api // 1e6)
+        print(f"   ceiling with a core per process: the core {1e6 / core:,.0f} tok/s; each API server "
+              f"{1e6 / api:,.0f} tok/s, so {need:.0f} API servers for 50,000 tok/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cpu_isa": cpu_isa(), "cores": os.cpu_count(), "results": results}, f, indent=1)
     return 0
 
 

@@ -32,10 +32,11 @@ PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """In a child started by a ``Supervisor``: have the kernel send SIGTERM when the parent dies
-    (Linux), and exit at once if it already has."""
-    parent = os.environ.pop(PARENT_PID_ENV, None)
+def die_with_parent(parent: int | str | None = None) -> None:
+    """In a child (started by a ``Supervisor``, or ``parent`` given): have the kernel send SIGTERM
+    when the parent dies (Linux), and exit at once if it already has."""
+    if parent is None:
+        parent = os.environ.pop(PARENT_PID_ENV, None)
     if parent is None or not sys.platform.startswith("linux"):
         return
     try:

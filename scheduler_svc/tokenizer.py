@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,8 +224,11 @@ INLINE_CHARS = 4096
 _pool_tokenizer: Tokenizer | None = None
 
 
-def _pool_init(files: dict[str, bytes]) -> None:
+def _pool_init(files: dict[str, bytes], parent_pid: int) -> None:
     global _pool_tokenizer
+    from pagewire_common.supervisor import die_with_parent
+
+    die_with_parent(parent_pid)  # a hard kill of the API server takes its helper down too
     _pool_tokenizer = Tokenizer.from_files(files)
 
 
@@ -253,7 +257,7 @@ class OffloadedTokenizer:
 
             self._pool = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_pool_init, initargs=(self.tokenizer.files,),
+                initializer=_pool_init, initargs=(self.tokenizer.files, os.getpid()),
             )
         return self._pool
 

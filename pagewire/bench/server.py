@@ -126,16 +126,16 @@ class ServedServer:
         if proc is None:
             return None
         if proc.poll() is None:
-            children = _child_pids(proc.pid)
+            children = descendant_pids(proc.pid)
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 print(f"pagewire bench: the server did not stop within {timeout:g}s; killing it", file=sys.stderr)
-                children = children or _child_pids(proc.pid)
+                children = children or descendant_pids(proc.pid)
                 proc.kill()
                 proc.wait()
-                for pid in children:  # the worker runs in a session of its own
+                for pid in children:  # worker, scheduler and API servers run in sessions of their own
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
@@ -145,6 +145,17 @@ class ServedServer:
         if proc.stdout is not None:
             proc.stdout.close()
         return proc.returncode
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), from /proc (Linux; empty elsewhere)."""
+    found: list[int] = []
+    stack = _child_pids(pid)
+    while stack:
+        child = stack.pop(0)
+        found.append(child)
+        stack += _child_pids(child)
+    return found
 
 
 def _child_pids(pid: int) -> list[int]:
