@@ -119,6 +119,7 @@ class ApiClient:
 class _Owner:
     client: ApiClient
     rid: int
+    first_len: int  # the sequence's length once it has its first output token
 
 
 class CoreService(core_pb2_grpc.SchedulerCoreServicer):
@@ -323,7 +324,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             return
         engine.add_request(key, token_ids, sampling, validated=True)
         client.rids[rid] = key
-        self._owners[key] = _Owner(client, rid)
+        self._owners[key] = _Owner(client, rid, len(token_ids) + 1)
         self.num_submitted += 1
 
     # ---- the engine task -----------------------------------------------------------------------
@@ -433,22 +434,25 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
 
     def _deliver(self, touched) -> None:
         """Each touched sequence got one token: append it to its API server's message, and send
-        one message to each API server that has something."""
+        one message to each API server that has something. (Per token: one dict lookup and a few
+        list appends; logprobs only once some request of the step asked for them.)"""
         owners = self._owners
         clients: set[ApiClient] = set()
         for seq in touched:
             owner = owners.get(seq.request_id)
             if owner is None:
                 continue
-            client, rid = owner.client, owner.rid
+            client = owner.client
+            rid = owner.rid
+            tokens = seq.token_ids
             client.out_rids.append(rid)
-            client.out_tokens.append(seq.token_ids[-1])
-            if seq.sampling.logprobs:
+            client.out_tokens.append(tokens[-1])
+            if client.any_logprobs:
+                client.out_logprobs.append(seq.logprobs[-1] if seq.sampling.logprobs else NAN)
+            elif seq.sampling.logprobs:
                 client.any_logprobs = True
-                client.out_logprobs.append(seq.logprobs[-1])
-            else:
-                client.out_logprobs.append(NAN)
-            if len(seq.token_ids) - seq.num_prompt_tokens == 1:
+                client.out_logprobs = [NAN] * (len(client.out_rids) - 1) + [seq.logprobs[-1]]
+            if len(tokens) == owner.first_len:
                 client.started_rids.append(rid)
                 client.started_cached.append(seq.num_cached_prompt_tokens or 0)
             reason = seq.finish_reason

@@ -333,3 +333,27 @@ def test_a_1mb_prompt_being_tokenized_does_not_stall_other_streams(services):
     # (1.5 s of 1.57 s here); in the helper process the stream keeps moving, with gaps of a few
     # steps (tens of milliseconds; the helper takes one of the two cores meanwhile)
     assert len(during) >= 10 and max(during) < 0.3 * (t1 - t0), (max(during), t1 - t0, len(during))
+
+
+def test_logprobs_over_grpc_with_requests_that_do_not_ask(services, offline, model_dir):
+    """Requests with and without logprobs in the same steps: each gets its own, aligned with its
+    tokens, equal to the offline API's."""
+    prompts = sample_prompts(model_dir, n=6)
+    want = [i % 2 == 0 for i in range(6)]
+    expected = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=12, logprobs=w) for w in want])
+    s = stub(services)
+
+    def one(i):
+        return list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompts[i],
+                                                  sampling=sampling(max_tokens=12, logprobs=want[i]))))
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    for i, responses in enumerate(results):
+        ids = [t for r in responses for t in r.token_ids]
+        lps = [lp for r in responses for lp in r.logprobs]
+        assert ids == expected[i].token_ids
+        if want[i]:
+            assert lps == pytest.approx(expected[i].logprobs, abs=1e-4) and len(lps) == len(ids)
+        else:
+            assert lps == []
