@@ -38,3 +38,19 @@ def test_growth_keeps_rows_and_release_reuses():
         t.set(rows[0], 2, [1, 2, 3])
     with pytest.raises(ValueError, match="gap"):
         t.set(rows[1], 3, [7])
+
+
+def test_check_edit_and_a_rejected_add_takes_no_row():
+    t = BlockTables(max_blocks_per_seq=4, device=torch.device("cpu"), initial_rows=1)
+    t.check_edit(2, 2, 2)  # append to the end: fine
+    t.check_edit(2, 1, 1)  # copy-on-write of the last block: fine
+    with pytest.raises(ValueError, match="edit at -1 leaves a gap after 2 blocks"):
+        t.check_edit(2, -1, 1)
+    with pytest.raises(ValueError, match="edit at 3 leaves a gap after 2 blocks"):
+        t.check_edit(2, 3, 1)
+    with pytest.raises(ValueError, match="a sequence needs 5 blocks; at most 4 fit"):
+        t.add([0] * 5)
+    assert t.add([1]) == 0 and t.num_rows == 1  # the rejected add neither took nor grew a row
+    with pytest.raises(ValueError, match="gap"):
+        t.set(0, -1, [2])
+    assert t.num_blocks[0] == 1 and t.host[0, 0] == 1

@@ -131,27 +131,73 @@ BAD_PLANS = {
     "finished then running": (
         [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
         StepPlan(2, running_seqs=[RunningSequence(1, 1)], finished_seq_ids=[1]), KeyError, "not known"),
+    "negative block table start": (
+        [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
+        StepPlan(2, running_seqs=[RunningSequence(1, 1, block_table_start=-1, block_ids=[3])]), ValueError,
+        "edit at -1 leaves a gap after 1 blocks"),
+    "running edit past the model length": (
+        [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
+        StepPlan(2, running_seqs=[RunningSequence(1, 1, block_table_start=1, block_ids=[1] * 64)]), ValueError,
+        "needs 65 blocks; at most 64 fit"),
+    "new sequence block id outside the cache": (
+        [], StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0, NUM_BLOCKS], num_scheduled=2)]), ValueError,
+        f"block id {NUM_BLOCKS} is outside the cache"),
+    "negative block id": (
+        [], StepPlan(1, new_seqs=[new_seq(1, [5, 6], [-1], num_scheduled=2)]), ValueError,
+        "block id -1 is outside the cache"),
+    "running edit block id outside the cache": (
+        [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
+        StepPlan(2, running_seqs=[RunningSequence(1, 1, block_table_start=1, block_ids=[NUM_BLOCKS + 5])]),
+        ValueError, "outside the cache"),
+    "block copy outside the cache": (
+        [], StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], 2)], block_copies=[(0, -1)]), ValueError,
+        "block id -1 is outside the cache"),
+    "computed tokens beyond the known ones": (
+        [], StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=1, num_computed=3)]), ValueError,
+        "3 computed tokens out of 2"),
+    "negative computed tokens": (
+        [], StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=1, num_computed=-1)]), ValueError,
+        "-1 computed tokens out of 2"),
+    "one bad sequence among good ones": (
+        [StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], num_scheduled=2)])],
+        StepPlan(2, new_seqs=[new_seq(2, [7, 8, 9], [1], num_scheduled=3)],
+                 running_seqs=[RunningSequence(1, 2, block_table_start=1, block_ids=[2])]),
+        ValueError, "past the known tokens"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_PLANS))
 def test_rejects_bad_plans_like_the_real_runner(case, runner, real_runner):
+    """Both runners apply and check plans with the same code (plan_state.SequenceStates): the
+    same exception type and message, and nothing half-computed left behind."""
     setup, bad, error, message = BAD_PLANS[case]
+    raised = []
     for r in (runner, real_runner):
         r.reset()
         for plan in setup:
             r.execute(plan)
-        with pytest.raises(error, match=message):
+        computed = {seq_id: r.seqs.get(seq_id).num_computed_tokens for seq_id in (1, 2) if seq_id in r.seqs}
+        computed.update({s.seq_id: s.num_computed_tokens for s in bad.new_seqs if s.seq_id not in computed})
+        with pytest.raises(error, match=message) as info:
             r.execute(bad)
+        raised.append((type(info.value), str(info.value)))
+        # a step rejected before its compute leaves every computed count as it was
+        for seq_id, n in computed.items():
+            if seq_id in r.seqs:
+                assert r.seqs.get(seq_id).num_computed_tokens == n
         r.reset()
+        assert r.num_seqs == 0
+    assert raised[0] == raised[1]
 
 
-def test_rejects_block_ids_outside_the_cache(runner):
-    with pytest.raises(ValueError, match="outside the cache"):
-        runner.execute(StepPlan(1, new_seqs=[new_seq(1, [5, 6], [NUM_BLOCKS], num_scheduled=2)]))
-    runner.reset()
-    with pytest.raises(ValueError, match="outside the cache"):
-        runner.execute(StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], 2)], block_copies=[(0, -1)]))
+def test_a_rejected_new_sequence_takes_no_block_table_row(runner, real_runner):
+    for r in (runner, real_runner):
+        r.reset()
+        tables = r.seqs.tables
+        free = len(tables._free_rows)
+        with pytest.raises(ValueError, match="at most 64 fit"):
+            r.execute(StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0] * 65, num_scheduled=2)]))
+        assert len(tables._free_rows) == free and 1 not in r.seqs
 
 
 # ---- through the real scheduler over gRPC ---------------------------------------------------------

@@ -39,6 +39,7 @@ class BlockTables:
 
     def add(self, block_ids: list[int]) -> int:
         """A row for a new sequence holding ``block_ids``."""
+        self.check_edit(0, 0, len(block_ids))  # before taking a row: a rejected table leaks none
         if not self._free_rows:
             old_rows = self.num_rows
             self._alloc(old_rows * 2, self.host, self.num_blocks)  # rare: the device copy is whole
@@ -46,6 +47,15 @@ class BlockTables:
         row = self._free_rows.pop()
         self.set(row, 0, block_ids)
         return row
+
+    def check_edit(self, num_held: int, start: int, num_ids: int) -> None:
+        """Raise ``ValueError`` unless writing ``num_ids`` entries from ``start`` into a row that
+        holds ``num_held`` leaves no gap and fits the row."""
+        end = start + num_ids
+        if not 0 <= start <= num_held:
+            raise ValueError(f"block table edit at {start} leaves a gap after {num_held} blocks")
+        if end > self.max_blocks_per_seq:
+            raise ValueError(f"a sequence needs {end} blocks; at most {self.max_blocks_per_seq} fit the model length")
 
     def release(self, row: int) -> None:
         self.num_blocks[row] = 0
@@ -55,10 +65,7 @@ class BlockTables:
     def set(self, row: int, start: int, block_ids: list[int]) -> None:
         """Rewrite the row from ``start`` with ``block_ids`` (entries after them are dropped)."""
         end = start + len(block_ids)
-        if start > self.num_blocks[row]:
-            raise ValueError(f"block table edit at {start} leaves a gap after {self.num_blocks[row]} blocks")
-        if end > self.max_blocks_per_seq:
-            raise ValueError(f"a sequence needs {end} blocks; at most {self.max_blocks_per_seq} fit the model length")
+        self.check_edit(int(self.num_blocks[row]), start, len(block_ids))
         self.host[row, start:end] = block_ids
         self.num_blocks[row] = end
         self._dirty.add(row)

@@ -2,9 +2,9 @@
 
 ``NullRunner`` has the interface the worker server uses from ``ModelRunner`` (``execute``,
 ``reset``, ``model_config``, ``model_dir``, ``max_model_len``, ``block_size``, ``num_kv_blocks``,
-``dtype``, ``device``, ``num_seqs``) and keeps the same per-sequence state (token lists, computed
-counts, block tables), checked the same way, so a control-plane bug still surfaces as a rejected
-plan. Instead of running a model it "samples" a fixed cycle of ordinary token ids: the token at
+``dtype``, ``device``, ``num_seqs``) and keeps its per-sequence state (token lists, computed
+counts, block tables) in the same ``SequenceStates`` (``plan_state.py``), so a plan is applied and
+checked by the very same code and a control-plane bug still surfaces as a rejected plan. Instead of running a model it "samples" a fixed cycle of ordinary token ids: the token at
 position ``p`` is ``cycle[p % len(cycle)]``, so outputs depend only on positions (identical with
 overlap on and off, whatever the batch) and never end a request early through EOS.
 
@@ -16,11 +16,12 @@ so the default number of KV blocks is large.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from pagewire_common.plan import StepPlan, StepResult
+from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
+from worker_svc.plan_state import SequenceStates
 
 log = logging.getLogger("pagewire.worker")
 
@@ -33,13 +34,6 @@ _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "half": 2, "bf
 # detokenizer does its usual work.
 _CYCLE_TEXT = " the quick brown fox jumps over the lazy dog and then it runs back home again"
 _CYCLE_LEN = 16
-
-
-@dataclass(slots=True)
-class _SeqState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
 
 
 class NullRunner:
@@ -70,7 +64,10 @@ class NullRunner:
         else:
             self.num_kv_blocks = DEFAULT_NULL_KV_BLOCKS
         self.token_cycle = _token_cycle(self.model_dir, mc)
-        self._seqs: dict[int, _SeqState] = {}
+        # the real runner's per-sequence state and plan checks; block tables in host memory only
+        self.seqs = SequenceStates(
+            BlockTables(self.max_blocks_per_seq, "cpu"), self.block_size, self.num_kv_blocks
+        )
         self.num_block_copies = 0
         log.info(
             "null worker ready: %s config, no model math, %d KV blocks of %d tokens (none allocated), "
@@ -80,11 +77,11 @@ class NullRunner:
 
     @property
     def num_seqs(self) -> int:
-        return len(self._seqs)
+        return len(self.seqs)
 
     def reset(self) -> None:
         """Drop all per-sequence state (the scheduler reconnected and starts from scratch)."""
-        self._seqs.clear()
+        self.seqs.reset()
 
     def next_token(self, position: int) -> int:
         """The token this runner samples at ``position`` (0-based index in the sequence)."""
@@ -94,84 +91,26 @@ class NullRunner:
         """Apply ``plan`` to the per-sequence state and "sample" one token for every sequence
         that reached the end of its known tokens. Raises ``KeyError``/``ValueError`` for a plan
         that contradicts the state, as ``ModelRunner`` does."""
-        self._apply_plan(plan)
+        copies = self.seqs.apply(plan)
+        self.num_block_copies += len(copies)  # nothing to copy: there is no cache
         result = StepResult(step_id=plan.step_id)
         if plan.is_empty:
             return result
-        block_size = self.block_size
-        scheduled: list[tuple[int, _SeqState, int]] = []
-        for s in plan.new_seqs:
-            scheduled.append((s.seq_id, self._seqs[s.seq_id], s.num_scheduled_tokens))
-        for s in plan.running_seqs:
-            scheduled.append((s.seq_id, self._seqs[s.seq_id], s.num_scheduled_tokens))
-        # check every sequence before changing any, as the real runner does before its forward pass
-        for _seq_id, state, n in scheduled:
-            end = state.num_computed_tokens + n
-            if end > len(state.token_ids):
-                raise ValueError(f"step {plan.step_id}: scheduled past the known tokens of a sequence")
-            if end > len(state.block_ids) * block_size:
-                raise ValueError(f"step {plan.step_id}: a sequence has too few blocks for its tokens")
+        batch = self.seqs.scheduled(plan)  # checks every scheduled sequence before changing any
+        batch.advance()
         seq_ids = result.seq_ids
         token_ids = result.token_ids
         cycle = self.token_cycle
         cycle_len = len(cycle)
-        for seq_id, state, n in scheduled:
-            state.num_computed_tokens += n
-            tokens = state.token_ids
-            if state.num_computed_tokens == len(tokens):
-                token = cycle[len(tokens) % cycle_len]
-                tokens.append(token)
-                seq_ids.append(seq_id)
-                token_ids.append(token)
+        all_seq_ids = batch.seq_ids
+        states = batch.states
+        for i in batch.sampled:
+            tokens = states[i].token_ids
+            token = cycle[len(tokens) % cycle_len]
+            tokens.append(token)
+            seq_ids.append(all_seq_ids[i])
+            token_ids.append(token)
         return result
-
-    def _apply_plan(self, plan: StepPlan) -> None:
-        num_blocks = self.num_kv_blocks
-        for seq_id in plan.finished_seq_ids:
-            self._seqs.pop(seq_id, None)
-        for new in plan.new_seqs:
-            if new.seq_id in self._seqs:
-                raise ValueError(f"step {plan.step_id}: sequence {new.seq_id} is already known to this worker")
-            self._check_table(0, 0, new.block_ids)
-            _check_block_ids(new.block_ids, num_blocks, plan.step_id)
-            if not 0 <= new.num_computed_tokens <= len(new.token_ids):
-                raise ValueError(
-                    f"step {plan.step_id}: sequence {new.seq_id} has {new.num_computed_tokens} computed tokens "
-                    f"out of {len(new.token_ids)}"
-                )
-            self._seqs[new.seq_id] = _SeqState(
-                token_ids=list(new.token_ids),
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-            )
-        for diff in plan.running_seqs:
-            state = self._seqs.get(diff.seq_id)
-            if state is None:
-                raise KeyError(f"step {plan.step_id}: sequence {diff.seq_id} is not known to this worker")
-            if diff.block_ids:
-                self._check_table(len(state.block_ids), diff.block_table_start, diff.block_ids)
-                _check_block_ids(diff.block_ids, num_blocks, plan.step_id)
-                del state.block_ids[diff.block_table_start :]
-                state.block_ids.extend(diff.block_ids)
-        if plan.block_copies:
-            for src, dst in plan.block_copies:
-                _check_block_ids((src, dst), num_blocks, plan.step_id)
-            self.num_block_copies += len(plan.block_copies)
-
-    def _check_table(self, num_held: int, start: int, block_ids: list[int]) -> None:
-        # the same checks (and messages) as the real runner's device-resident block tables
-        end = start + len(block_ids)
-        if not 0 <= start <= num_held:
-            raise ValueError(f"block table edit at {start} leaves a gap after {num_held} blocks")
-        if end > self.max_blocks_per_seq:
-            raise ValueError(f"a sequence needs {end} blocks; at most {self.max_blocks_per_seq} fit the model length")
-
-
-def _check_block_ids(block_ids, num_blocks: int, step_id: int) -> None:
-    # the real runner would index out of its cache tensors (or silently alias a block)
-    for b in block_ids:
-        if not 0 <= b < num_blocks:
-            raise ValueError(f"step {step_id}: block id {b} is outside the cache [0, {num_blocks})")
 
 
 def _canonical_dtype(dtype) -> str:

@@ -17,11 +17,11 @@ import torch
 
 from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention
 from pagewire_common.plan import StepPlan, StepResult
-from pagewire_common.sampling import SamplingParams
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.nvtx import nvtx_range
+from worker_svc.plan_state import SeqState, SequenceStates
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.sampler import Sampler, SamplingBatch
 from worker_svc.weights import load_model
@@ -85,22 +85,11 @@ class RunnerConfig:
 
 
 @dataclass(slots=True)
-class _SeqState:
-    """What the worker keeps per sequence between steps; its block table is row ``row`` of
-    ``ModelRunner.block_tables``."""
-
-    token_ids: list[int]
-    row: int
-    num_computed_tokens: int
-    sampling: SamplingParams
-
-
-@dataclass(slots=True)
 class _StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sampled_states: list[_SeqState] = field(default_factory=list)
+    sampled_states: list[SeqState] = field(default_factory=list)
     sampled_seq_ids: list[int] = field(default_factory=list)
 
 
@@ -142,7 +131,8 @@ class ModelRunner:
                 max_blocks_per_seq, self.device,
             )
             self.decode_graphs.capture_all()
-        self._seqs: dict[int, _SeqState] = {}
+        # per-sequence state; plans are applied and checked there, by the same code as NullRunner's
+        self.seqs = SequenceStates(self.block_tables, config.block_size, num_blocks)
         self.num_block_copies = 0
         log.info(
             "worker ready: %s, %s on %s, %d KV blocks of %d tokens, max model length %d",
@@ -161,20 +151,21 @@ class ModelRunner:
 
     @property
     def num_seqs(self) -> int:
-        return len(self._seqs)
+        return len(self.seqs)
 
     def reset(self) -> None:
         """Drop all per-sequence state (the scheduler reconnected and starts from scratch)."""
-        for state in self._seqs.values():
-            self.block_tables.release(state.row)
-        self._seqs.clear()
+        self.seqs.reset()
 
     # ---- one step -----------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         with nvtx_range("apply plan"):
-            self._apply_plan(plan)
+            copies = self.seqs.apply(plan)  # checks the plan: KeyError/ValueError if it contradicts our state
+            if copies:
+                self.kv_cache.copy_blocks(copies)
+                self.num_block_copies += len(copies)
         result = StepResult(step_id=plan.step_id)
         if plan.is_empty:
             return result
@@ -211,57 +202,16 @@ class ModelRunner:
             ]
         return result
 
-    def _apply_plan(self, plan: StepPlan) -> None:
-        tables = self.block_tables
-        for seq_id in plan.finished_seq_ids:
-            state = self._seqs.pop(seq_id, None)
-            if state is not None:
-                tables.release(state.row)
-        for new in plan.new_seqs:
-            if new.seq_id in self._seqs:
-                raise ValueError(f"step {plan.step_id}: sequence {new.seq_id} is already known to this worker")
-            self._seqs[new.seq_id] = _SeqState(
-                token_ids=list(new.token_ids),
-                row=tables.add(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                sampling=new.sampling,
-            )
-        for diff in plan.running_seqs:
-            state = self._seqs.get(diff.seq_id)
-            if state is None:
-                raise KeyError(f"step {plan.step_id}: sequence {diff.seq_id} is not known to this worker")
-            if diff.block_ids:
-                tables.set(state.row, diff.block_table_start, diff.block_ids)
-        tables.sync()
-        if plan.block_copies:
-            self.kv_cache.copy_blocks(plan.block_copies)
-            self.num_block_copies += len(plan.block_copies)
-
     def _prepare_inputs(self, plan: StepPlan) -> _StepInputs:
+        batch = self.seqs.scheduled(plan)  # checks every scheduled sequence before changing any
         block_size = self.block_size
-        states: list[_SeqState] = []
-        num_new: list[int] = []
-        seq_ids: list[int] = []
-        for s in plan.new_seqs:
-            states.append(self._seqs[s.seq_id])
-            num_new.append(s.num_scheduled_tokens)
-            seq_ids.append(s.seq_id)
-        for s in plan.running_seqs:
-            states.append(self._seqs[s.seq_id])
-            num_new.append(s.num_scheduled_tokens)
-            seq_ids.append(s.seq_id)
-
+        states = batch.states
         num_seqs = len(states)
-        query_lens = np.asarray(num_new, dtype=np.int64)
-        starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
-        seq_lens = starts + query_lens
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_seqs)
-        num_blocks = self.block_tables.num_blocks[rows]
-        for state, end in zip(states, seq_lens.tolist()):
-            if end > len(state.token_ids):
-                raise ValueError(f"step {plan.step_id}: scheduled past the known tokens of a sequence")
-        if (seq_lens > num_blocks * block_size).any():
-            raise ValueError(f"step {plan.step_id}: a sequence has too few blocks for its tokens")
+        query_lens = batch.query_lens
+        seq_lens = batch.seq_lens
+        starts = seq_lens - query_lens
+        rows = batch.rows
+        num_blocks = batch.num_blocks
 
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
@@ -270,14 +220,14 @@ class ModelRunner:
         seq_index = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
         input_ids = np.fromiter(
-            (t for state, a, b in zip(states, starts.tolist(), seq_lens.tolist()) for t in state.token_ids[a:b]),
+            (t for state, a, b in zip(states, starts.tolist(), batch.ends) for t in state.token_ids[a:b]),
             dtype=np.int64,
             count=num_tokens,
         )
         host_table = self.block_tables.host
         slot_mapping = host_table[rows[seq_index], positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-        sampled = [i for i, (state, end) in enumerate(zip(states, seq_lens.tolist())) if end == len(state.token_ids)]
+        sampled = batch.sampled
         logits_indices = cu[1:][sampled] - 1
 
         dev = self.device
@@ -292,14 +242,13 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
             logits_indices=_to_device(logits_indices, torch.int64, dev),
         )
-        for state, a, n in zip(states, starts.tolist(), num_new):
-            state.num_computed_tokens = a + n
+        batch.advance()
         return _StepInputs(
             input_ids=_to_device(input_ids, torch.int64, dev),
             positions=_to_device(positions, torch.int64, dev),
             meta=meta,
             sampled_states=[states[i] for i in sampled],
-            sampled_seq_ids=[seq_ids[i] for i in sampled],
+            sampled_seq_ids=[batch.seq_ids[i] for i in sampled],
         )
 
 

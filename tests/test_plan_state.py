@@ -1,0 +1,70 @@
+"""SequenceStates: the one implementation of applying and checking a step plan that both runners
+(ModelRunner, NullRunner) use."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagewire_common.plan import NewSequence, RunningSequence, StepPlan
+from pagewire_common.sampling import SamplingParams
+from worker_svc.block_table import BlockTables
+from worker_svc.plan_state import SequenceStates
+
+BLOCK_SIZE = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def states(num_kv_blocks: int = 16, max_blocks_per_seq: int = 4) -> SequenceStates:
+    return SequenceStates(BlockTables(max_blocks_per_seq, torch.device("cpu"), initial_rows=2), BLOCK_SIZE,
+                          num_kv_blocks)
+
+
+def new_seq(seq_id, token_ids, block_ids, num_scheduled, num_computed=0) -> NewSequence:
+    return NewSequence(seq_id, list(token_ids), list(block_ids), num_computed, num_scheduled, GREEDY)
+
+
+def test_apply_then_scheduled_in_batch_order():
+    s = states()
+    plan = StepPlan(1, new_seqs=[new_seq(1, [5, 6, 7, 8, 9], [0, 1], 4), new_seq(2, [1, 2], [2], 2)],
+                    block_copies=[(0, 3)])
+    assert s.apply(plan) == [(0, 3)]
+    assert len(s) == 2 and 1 in s and s.get(1).sampling is GREEDY
+    batch = s.scheduled(plan)
+    assert [(seq_id, n) for seq_id, _state, n in batch] == [(1, 4), (2, 2)]
+    assert batch.starts.tolist() == [0, 0] and batch.seq_lens.tolist() == [4, 2]
+    assert batch.num_blocks.tolist() == [2, 1] and batch.sampled == [1]
+    assert s.tables.gather(batch.rows, 2).tolist() == [[0, 1], [2, 0]]
+    batch.advance()
+    assert (s.get(1).num_computed_tokens, s.get(2).num_computed_tokens) == (4, 2)
+    # the rest of seq 1's prompt after a rollover; seq 2 finishes and gives its row back
+    plan = StepPlan(2, running_seqs=[RunningSequence(1, 1, block_table_start=2, block_ids=[4])],
+                    finished_seq_ids=[2])
+    assert s.apply(plan) == []
+    assert len(s) == 1 and len(s.tables._free_rows) == 1
+    batch = s.scheduled(plan)
+    assert batch.seq_ids == [1] and batch.num_blocks.tolist() == [3] and batch.sampled == [0]
+    s.reset()
+    assert len(s) == 0 and len(s.tables._free_rows) == 2
+
+
+def test_scheduled_checks_every_sequence_before_changing_any():
+    s = states()
+    s.apply(StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], 2)]))
+    s.scheduled(StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], 2)])).advance()
+    plan = StepPlan(2, new_seqs=[new_seq(2, [1, 2, 3], [1], 3)], running_seqs=[RunningSequence(1, 1)])
+    s.apply(plan)
+    with pytest.raises(ValueError, match="step 2: scheduled past the known tokens"):
+        s.scheduled(plan)  # seq 1 has no sampled token yet
+    assert (s.get(1).num_computed_tokens, s.get(2).num_computed_tokens) == (2, 0)
+
+
+def test_a_bad_block_id_is_named_and_the_sequence_not_added():
+    s = states(num_kv_blocks=8, max_blocks_per_seq=8)
+    with pytest.raises(ValueError, match=r"step 3: block id 9 is outside the cache \[0, 8\)"):
+        s.apply(StepPlan(3, new_seqs=[new_seq(1, [5], [0, 9, -1], 1)]))
+    assert 1 not in s and len(s.tables._free_rows) == 2
+    with pytest.raises(KeyError, match="step 4: sequence 7 is not known"):
+        s.apply(StepPlan(4, running_seqs=[RunningSequence(7, 1)]))
+    assert isinstance(s.scheduled(StepPlan(5)).seq_lens, np.ndarray)
