@@ -17,6 +17,7 @@ import torch
 
 from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention
 from pagewire_common.plan import StepPlan, StepResult
+from pagewire_common.settings import Settings, check_all, default_of
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.cuda_graphs import DecodeGraphs
@@ -56,32 +57,33 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
-    """Worker-side engine options."""
+    """Worker-side engine options: the worker's view of the settings
+    (``pagewire_common.settings``), whose defaults and checks these are."""
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes allows
-    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
-    dtype: str = "float32"
-    device: str | None = None  # None: cuda if available, else cpu
-    max_model_len: int | None = None  # None: the model's own
-    # CPU only: prepack linear weights for oneDNN (layers/cpu_linear.py)
+    block_size: int = default_of("block_size")
+    num_kv_blocks: int | None = default_of("num_kv_blocks")  # None: as many as kv_cache_bytes allows
+    kv_cache_bytes: int | None = default_of("kv_cache_bytes")  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    dtype: str = default_of("dtype")
+    device: str | None = default_of("device")  # None: cuda if available, else cpu
+    max_model_len: int | None = default_of("max_model_len")  # None: the model's own
+    # CPU only: prepack linear weights for oneDNN (layers/cpu_linear.py); not a user setting
     cpu_packed_linear: bool = True
     # CUDA only: replay captured graphs for decode-only steps of up to this many sequences
-    cuda_graphs: bool = True
-    cuda_graph_max_batch: int = 256
+    cuda_graphs: bool = default_of("cuda_graphs")
+    cuda_graph_max_batch: int = default_of("cuda_graph_max_batch")
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        if self.cuda_graph_max_batch < 1:
-            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        check_all(self, ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch"))
         parse_dtype(self.dtype)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "RunnerConfig":
+        return cls(
+            block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
+            kv_cache_bytes=settings.kv_cache_bytes, dtype=settings.dtype, device=settings.device,
+            max_model_len=settings.max_model_len, cuda_graphs=settings.cuda_graphs,
+            cuda_graph_max_batch=settings.cuda_graph_max_batch,
+        )
 
 
 @dataclass(slots=True)
