@@ -70,6 +70,36 @@ class ServedModel:
     offloaded: OffloadedTokenizer | None
 
 
+class StreamOutbox(Outbox):
+    """A request's outbox that tells its API server when what was put on it has been taken by the
+    request's handler (which then writes it to the client). The server acknowledges the core's
+    messages once every stream has taken its part: the core runs at the pace this server streams."""
+
+    __slots__ = ("_api", "_counted")
+
+    def __init__(self, api: "ApiServer"):
+        super().__init__()
+        self._api = api
+        self._counted = False
+
+    def put_nowait(self, item) -> None:
+        if not self._counted:
+            self._counted = True
+            self._api._num_undelivered += 1
+        super().put_nowait(item)
+
+    async def take(self) -> list:
+        items = await super().take()
+        self.release()
+        return items
+
+    def release(self) -> None:
+        """Nothing on it is waiting any more (taken, or its handler is gone)."""
+        if self._counted:
+            self._counted = False
+            self._api._delivered()
+
+
 class _Pending:
     __slots__ = ("stream", "outbox")
 
@@ -104,9 +134,13 @@ class ApiServer:
         self._stops: list[int] = []
         self._num_rejected = 0
         self._flush_wanted = asyncio.Event()
+        self._write_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._said_ready = False
+        # core messages with tokens: dispatched to their streams, taken by every stream, told to the core
+        self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
+        self._num_undelivered = 0  # streams with something put on their outbox and not yet taken
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -135,7 +169,10 @@ class ApiServer:
         return self.connected.is_set()
 
     async def stats(self) -> pb.Stats:
-        await self.flush()
+        try:
+            await self.flush()  # rejections counted here reach the core first
+        except (grpc.RpcError, grpc.aio.UsageError, RuntimeError) as e:
+            self._write_failed(e)
         return await self._stub.CoreStats(pb.StatsRequest(), timeout=5)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -168,8 +205,15 @@ class ApiServer:
         if self._call is not None and self._has_queued():
             await self._write_queued()
 
+    def _write_failed(self, e: Exception) -> None:
+        # the stream is broken: end it, so the reader fails what is in flight and reconnects
+        log.warning("write to the scheduler core failed: %s", e)
+        if self._call is not None:
+            self._call.cancel()
+
     def _has_queued(self) -> bool:
-        return bool(self._out.adds or self._aborts or self._stops or self._num_rejected or self._out.ready)
+        return bool(self._out.adds or self._aborts or self._stops or self._num_rejected or self._out.ready
+                    or self._num_outputs_done != self._num_outputs_acked)
 
     async def _write_loop(self) -> None:
         # one writer: a grpc.aio stream takes one write at a time; whatever piles up while a
@@ -182,9 +226,15 @@ class ApiServer:
             try:
                 await self._write_queued()
             except (grpc.RpcError, grpc.aio.UsageError, RuntimeError) as e:
-                log.debug("write to the core failed: %s", e)
+                self._write_failed(e)
 
     async def _write_queued(self) -> None:
+        # one write at a time on the stream (the writer task and ``flush`` both come here)
+        async with self._write_lock:
+            if self._call is not None and self._has_queued():
+                await self._write_one()
+
+    async def _write_one(self) -> None:
         msg, self._out = self._out, core_pb2.CoreRequests()
         if self._aborts:
             msg.abort_rids = np.asarray(self._aborts, dtype=_I64).tobytes()
@@ -193,6 +243,7 @@ class ApiServer:
             msg.stop_rids = np.asarray(self._stops, dtype=_I64).tobytes()
             self._stops = []
         msg.num_rejected, self._num_rejected = self._num_rejected, 0
+        msg.num_outputs_done = self._num_outputs_acked = self._num_outputs_done
         await self._call.write(msg)
 
     # ---- the link to the core ------------------------------------------------------------------
@@ -217,12 +268,17 @@ class ApiServer:
         await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=5, wait_for_ready=True)
         self._call = self._stub.Connect()
         self._said_ready = False
+        self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         self.core_connected = True
         log.info("connected to the scheduler core at %s", self.core_address)
         async for msg in self._call:
             if msg.has_worker_state:
                 await self._worker_state(msg)
             self.dispatch(msg)
+            if msg.rids or msg.finished_rids:
+                self._num_outputs_dispatched += 1
+                if not self._num_undelivered:
+                    self._delivered()
 
     async def _worker_state(self, msg: core_pb2.CoreOutput) -> None:
         self.worker_connected = msg.worker_connected
@@ -248,6 +304,15 @@ class ApiServer:
             self._out.ready = True
             self._flush_wanted.set()
 
+    def _delivered(self) -> None:
+        """A stream took what was put on it; once none has anything waiting, every core message
+        dispatched so far is done."""
+        if self._num_undelivered > 0:
+            self._num_undelivered -= 1
+        if not self._num_undelivered and self._num_outputs_done != self._num_outputs_dispatched:
+            self._num_outputs_done = self._num_outputs_dispatched
+            self._flush_wanted.set()
+
     def _set_connected(self, up: bool) -> None:
         if up and not self.connected.is_set():
             self.connected.set()
@@ -266,6 +331,7 @@ class ApiServer:
         self._out = core_pb2.CoreRequests()
         self._aborts, self._stops, self._num_rejected = [], [], 0
         pending, self.pending = self.pending, {}
+        self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
         for p in pending.values():
             p.outbox.put_nowait(failure)
@@ -386,7 +452,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request_id or uuid.uuid4().hex
-        outbox = Outbox()
+        outbox = StreamOutbox(api)
         try:
             rid = api.submit(request_id, ids, sampling, outbox)
         except NotReadyError as e:
@@ -403,6 +469,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 finished = last.finished
                 yield _response(request_id, items)
         finally:
+            outbox.release()
             if not finished:  # cancelled, deadline passed, or the client went away
                 api.abort(rid)
 

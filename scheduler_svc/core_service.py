@@ -76,6 +76,8 @@ class ApiClient:
         self.peer = peer
         self.rids: dict[int, str] = {}  # rid -> the core's request key
         self.ready = False  # it knows the model and serves clients
+        self.num_outputs_sent = 0  # CoreOutput messages with tokens sent on this stream...
+        self.num_outputs_done = 0  # ...and how many of them the API server has handed on
         self.outbox = Outbox()
         self._clear()
 
@@ -108,8 +110,15 @@ class ApiClient:
         if self.started_rids:
             msg.started_rids = np.asarray(self.started_rids, dtype=_I64).tobytes()
             msg.num_cached_prompt_tokens = np.asarray(self.started_cached, dtype=_I32).tobytes()
+        if msg.rids or msg.finished_rids:
+            self.num_outputs_sent += 1
         self._clear()
         self.outbox.put_nowait(msg)
+
+    @property
+    def is_behind(self) -> bool:
+        """More than the latest step's message is still unhandled at the API server."""
+        return self.num_outputs_sent - self.num_outputs_done > 1
 
     def error(self, rid: int, code: grpc.StatusCode, message: str) -> None:
         self.errors.append(core_pb2.CoreError(rid=rid, code=code.value[0], message=message))
@@ -133,6 +142,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self._clients: dict[int, ApiClient] = {}
         self._client_ids = itertools.count(1)
         self._wake = asyncio.Event()
+        self._caught_up = asyncio.Event()  # an API server handed on a step's outputs
         self._stopping = False
         self._task: asyncio.Task | None = None
         self.engine: EngineCore | None = None
@@ -259,6 +269,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         the next plan)."""
         if self._clients.pop(client.client_id, None) is None:
             return
+        self._caught_up.set()  # nobody waits for a server that is gone
         engine = self.engine
         for key in client.rids.values():
             self._owners.pop(key, None)
@@ -276,6 +287,10 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self.num_rejected += msg.num_rejected
         if msg.ready:
             client.ready = True
+        if msg.num_outputs_done > client.num_outputs_done:
+            client.num_outputs_done = msg.num_outputs_done
+            if not client.is_behind:
+                self._caught_up.set()
         for add in msg.adds:
             self._add(client, add)
         engine = self.engine
@@ -393,6 +408,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            await self._wait_for_api_servers()
             plan = engine.next_plan(depth)
             if plan is not None:
                 await link.send(plan)
@@ -406,6 +422,16 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                 # nothing to send and nothing outstanding (e.g. a request waits for blocks that
                 # only an abort can free): let the API servers' messages in before trying again
                 await asyncio.sleep(0.001)
+
+    async def _wait_for_api_servers(self) -> None:
+        """Backpressure: build the next plan only once every API server has handed on all but the
+        latest step's tokens. When the API servers are the bottleneck, running ahead of them only
+        makes small steps (each costs the core and the worker about the same whatever its size)
+        and piles tokens up in their queues; waiting lets requests accumulate into full batches.
+        The worker meanwhile runs the plan in flight."""
+        while any(c.is_behind for c in self._clients.values()) and not self._stopping:
+            self._caught_up.clear()
+            await self._caught_up.wait()
 
     async def _admit_arrivals(self) -> None:
         """After a step, give the event loop turns while new requests keep arriving.

@@ -107,6 +107,8 @@ class Scheduler:
         running = self.running
         running_diffs = plan.running_seqs
         allocator = self.allocator
+        grow_in_place = allocator.grow_in_place
+        caching, block_size = self._caching, self._block_size
         # prompt tokens (chunks and admissions) this step may carry: the whole budget, unless
         # pacing spreads them out while decodes are running
         prefill_left = self._prefill_allowance() if self.config.prefill_pacing_steps else budget
@@ -123,6 +125,21 @@ class Scheduler:
             if num_new <= 0 or (pending and num_tokens >= seq.max_num_tokens):
                 i += 1
                 continue
+            if num_new == 1:
+                # the common decode (budget > 0 here): its slot exists or fits in its last block
+                computed = seq.num_computed_tokens + 1
+                if computed <= seq.num_slot_tokens or grow_in_place(seq.seq_id, computed):
+                    if computed > seq.num_slot_tokens:
+                        seq.num_slot_tokens = computed
+                    running_diffs.append(RunningSequence(seq.seq_id, 1))
+                    # _advance(seq, 1), inlined
+                    seq.num_computed_tokens = computed
+                    seq.num_pending_tokens = pending + 1  # the worker samples a token this step
+                    if caching and computed // block_size > seq.num_hashed_blocks:
+                        self._advance(seq, 0)
+                    budget -= 1
+                    i += 1
+                    continue
             if num_new > 1:  # a prompt chunk (or a recompute after preemption), not a decode
                 num_new = min(num_new, budget, prefill_left)
                 if num_new <= 0:

@@ -77,7 +77,9 @@ def _add(rid: int, prompt: list[int], sampling: SamplingParams) -> core_pb2.Core
 class Received:
     """What one API server got from the core: tokens per rid, finish reasons, errors, messages."""
 
-    def __init__(self):
+    def __init__(self, service: CoreService | None = None, ack: bool = True):
+        self.service = service if ack else None  # hands each step's outputs on, as an API server does
+        self.num_done = 0
         self.tokens: dict[int, list[int]] = {}
         self.finished: dict[int, int] = {}
         self.errors: dict[int, tuple[int, str]] = {}
@@ -98,6 +100,9 @@ class Received:
                     self.finished[rid] = code
                 for err in msg.errors:
                     self.errors[err.rid] = (err.code, err.message)
+                if self.service is not None and (msg.rids or msg.finished_rids):
+                    self.num_done += 1
+                    self.service.apply(client, core_pb2.CoreRequests(num_outputs_done=self.num_done))
 
 
 async def _serve(options: Settings, prompts: list[list[int]], max_tokens: int, per_turn: int = 1):
@@ -123,7 +128,7 @@ async def _serve(options: Settings, prompts: list[list[int]], max_tokens: int, p
     await asyncio.wait_for(service.connected.wait(), 5)
     client = service.open_client()
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    received = Received()
+    received = Received(service)
     collector = asyncio.ensure_future(received.collect(client, len(prompts)))
     for i, prompt in enumerate(prompts):
         service.apply(client, core_pb2.CoreRequests(adds=[_add(i, prompt, sampling)]))
@@ -263,7 +268,7 @@ def test_two_api_servers_get_one_message_per_step_with_only_their_tokens():
         a, b = service.open_client(), service.open_client()
         sampling = SamplingParams(max_tokens=9, ignore_eos=True)
         prompts = _prompts(10)
-        got = {a: Received(), b: Received()}
+        got = {a: Received(service), b: Received(service)}
         collectors = [asyncio.ensure_future(got[c].collect(c, 5)) for c in (a, b)]
         # the same rids on both servers: the core keeps them apart
         service.apply(a, core_pb2.CoreRequests(adds=[_add(i, prompts[i], sampling) for i in range(5)]))
@@ -292,7 +297,7 @@ def test_a_closed_api_server_stream_aborts_its_requests_and_frees_their_blocks()
         gone, stays = service.open_client(), service.open_client()
         long = SamplingParams(max_tokens=200, ignore_eos=True)
         service.apply(gone, core_pb2.CoreRequests(adds=[_add(i, p, long) for i, p in enumerate(_prompts(4))]))
-        received = Received()
+        received = Received(service)
         collector = asyncio.ensure_future(received.collect(stays, 2))
         service.apply(stays, core_pb2.CoreRequests(adds=[_add(i, p, SamplingParams(max_tokens=30, ignore_eos=True))
                                                          for i, p in enumerate(_prompts(2))]))
@@ -320,7 +325,7 @@ def test_refusals_come_back_on_the_stream_with_their_status():
         service, _ = await _core(Settings(max_num_seqs=1, max_queued_requests=1, max_num_batched_tokens=64))
         client = service.open_client()
         ok = SamplingParams(max_tokens=50, ignore_eos=True)
-        received = Received()
+        received = Received(service)
         collector = asyncio.ensure_future(received.collect(client, 4))
         service.apply(client, core_pb2.CoreRequests(adds=[_add(1, [1, 2, 3], ok)]))
         for _ in range(10):
@@ -333,8 +338,10 @@ def test_refusals_come_back_on_the_stream_with_their_status():
         ]))
         await asyncio.wait_for(collector, 30)
         while service.engine.has_unfinished() or received.tokens.get(2, []) == [] or 2 not in received.finished:
-            more = Received()
+            more = Received(service)
+            more.num_done = received.num_done
             await asyncio.wait_for(more.collect(client, 1), 30)
+            received.num_done = more.num_done
             received.tokens.update(more.tokens)
             received.finished.update(more.finished)
         stats = service.stats()
@@ -360,7 +367,7 @@ def test_a_lost_worker_fails_every_request_with_unavailable():
         service.apply(b, core_pb2.CoreRequests(adds=[_add(7, [1, 2], long)]))
         for _ in range(10):
             await asyncio.sleep(0)
-        ra, rb = Received(), Received()
+        ra, rb = Received(service), Received(service)
         ca = asyncio.ensure_future(ra.collect(a, 3))
         cb = asyncio.ensure_future(rb.collect(b, 1))
         links[0].fail = "test: the worker went away"  # the next read from the worker fails
@@ -377,3 +384,29 @@ def test_a_lost_worker_fails_every_request_with_unavailable():
     assert {rid: code for rid, (code, _) in rb.errors.items()} == {7: unavailable}
     assert "the worker went away" in rb.errors[7][1]
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_the_core_runs_at_most_a_step_ahead_of_an_api_server_that_has_not_caught_up():
+    async def main():
+        service, _ = await _core(Settings(max_num_batched_tokens=4096, admission_turns=0))
+        client = service.open_client()
+        service.apply(client, core_pb2.CoreRequests(adds=[_add(0, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))]))
+        for _ in range(200):
+            await asyncio.sleep(0)
+        stalled_at = service.num_steps
+        messages = [m for m in await client.outbox.take() if m is not None]
+        with_tokens = [m for m in messages if m.rids]
+        # two results came back (the plan in flight is the one after them): nothing more until the API
+        # server says it handed on all but the latest
+        assert stalled_at == 2 and len(with_tokens) == 2
+        received = Received(service)
+        received.num_done = 2
+        service.apply(client, core_pb2.CoreRequests(num_outputs_done=2))
+        await asyncio.wait_for(received.collect(client, 1), 10)
+        steps = service.num_steps
+        await service.stop()
+        return steps, received
+
+    steps, received = asyncio.run(main())
+    # 40 sampling steps and the plan that drops the finished sequence; the rest of the tokens came
+    assert steps == 41 and len(received.tokens[0]) == 38

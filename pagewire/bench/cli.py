@@ -173,6 +173,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="load-generator processes sharing the streams (each one asyncio loop and one gRPC channel); "
                    "one Python process handles some tens of thousands of streamed messages/s, so raise this when "
                    "the summary says the client was busy (default: 1, or concurrency/64 up to cpus/4 and 4)")
+    g.add_argument("--connections", type=_positive_int, default=8, metavar="N",
+                   help="TCP connections the client spreads its streams over (split between client processes); "
+                   "the kernel hands each connection to one of the server's API servers, so fewer connections "
+                   "than API servers leaves some idle (default: %(default)s)")
     g.add_argument("--request-timeout", type=_positive_float, default=None,
                    help="deadline of each request in seconds; one that passes it counts as failed (default: none)")
 

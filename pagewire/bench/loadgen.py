@@ -101,21 +101,33 @@ def build_requests(
 
 
 class Client:
-    """An asyncio client of one pagewire server (one channel for all streams)."""
+    """An asyncio client of one pagewire server: its streams spread round-robin over
+    ``connections`` TCP connections (the kernel hands each connection to one of the server's API
+    servers, so one connection would measure one API server)."""
 
-    def __init__(self, addr: str):
+    def __init__(self, addr: str, connections: int = 1):
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
         self.addr = addr
-        self.channel = grpc.aio.insecure_channel(
-            addr,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.channels = [
+            grpc.aio.insecure_channel(
+                addr,
+                options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    # a connection of its own, not one shared with the other channels to addr
+                    ("grpc.use_local_subchannel_pool", 1),
+                ],
+            )
+            for _ in range(connections)
+        ]
+        self.channel = self.channels[0]
+        self.stubs = [generation_pb2_grpc.GenerationStub(c) for c in self.channels]
+        self.stub = self.stubs[0]
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     async def wait_ready(self, timeout: float) -> pb.ModelInfo:
         """Wait until the server answers and its worker is connected; return its model info.
@@ -160,7 +172,7 @@ class Client:
             raise ValueError("give exactly one of concurrency and arrival_offsets")
         n = len(requests)
         records = [RequestRecord() for _ in range(n)]
-        generate = self.stub.Generate
+        generates = [stub.Generate for stub in self.stubs]
         update = progress.update if progress is not None else (lambda k: None)
 
         async def one(i: int) -> None:
@@ -169,7 +181,7 @@ class Client:
             counts = rec.arrival_counts
             last = None
             rec.send_time = perf_counter()
-            call = generate(requests[i], timeout=request_timeout)
+            call = generates[i % len(generates)](requests[i], timeout=request_timeout)
             try:
                 async for resp in call:
                     times.append(perf_counter())
@@ -235,11 +247,11 @@ class _Counter:
             self.value.value += n
 
 
-def _client_process(conn, addr: str, counter) -> None:
+def _client_process(conn, addr: str, counter, connections: int = 1) -> None:
     """Body of one client process: connect, then run the shards the parent sends until ``None``."""
 
     async def serve() -> None:
-        client = Client(addr)
+        client = Client(addr, connections)
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(client.channel.channel_ready(), 30)
@@ -279,7 +291,7 @@ class ClientPool:
     send times, so together they make the same schedule. All start at one ``perf_counter()``
     instant (a shared monotonic clock), so their timestamps are comparable."""
 
-    def __init__(self, addr: str, num_processes: int, ready_timeout: float = 60.0):
+    def __init__(self, addr: str, num_processes: int, ready_timeout: float = 60.0, connections: int = 1):
         if num_processes < 2:
             raise ValueError("a ClientPool needs at least 2 processes (use Client for one)")
         # spawn, not fork: a forked gRPC runtime is not safe to use
@@ -289,7 +301,7 @@ class ClientPool:
         self.procs = []
         for k in range(num_processes):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_client_process, args=(child_end, addr, self.counter),
+            proc = ctx.Process(target=_client_process, args=(child_end, addr, self.counter, connections),
                                name=f"pagewire-bench-client-{k}", daemon=True)
             proc.start()
             child_end.close()

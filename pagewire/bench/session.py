@@ -118,14 +118,15 @@ class Bench:
         from pagewire.client import make_sampling
 
         args = self.args
-        client = Client(addr)
+        client = Client(addr, args.connections)
         pool = None
         try:
             try:
                 self.model_info = await client.wait_ready(args.connect_timeout)
                 if args.client_processes > 1:
                     pool = await asyncio.get_running_loop().run_in_executor(
-                        None, ClientPool, addr, args.client_processes
+                        None, ClientPool, addr, args.client_processes, 60.0,
+                        max(1, args.connections // args.client_processes),
                     )
             except ServerUnreachable as e:
                 raise BenchError(str(e)) from None
@@ -274,7 +275,7 @@ class Bench:
         args = self.args
         keys = ("num_requests", "concurrency", "request_rate", "seed", "prompt_len", "prompt", "prompt_repeats",
                 "max_new_tokens", "ignore_eos", "temperature", "warmup_runs", "repeat_runs", "request_timeout",
-                "baselines", "baseline_batch_size", "serve", "worker", "client_processes")
+                "baselines", "baseline_batch_size", "serve", "worker", "client_processes", "connections")
         out = {k: getattr(args, k) for k in keys}
         out["prompt_len"] = list(args.prompt_len) if args.prompt_len else None
         out["worker"] = args.worker or "model"
