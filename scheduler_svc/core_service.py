@@ -503,7 +503,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         if self.engine is not None:
             self.engine.reset()
         text = f"worker unavailable: {message}"
-        for key, owner in self._owners.items():
+        for owner in self._owners.values():
             owner.client.error(owner.rid, grpc.StatusCode.UNAVAILABLE, text)
             owner.client.rids.pop(owner.rid, None)
         self._owners.clear()

@@ -1,0 +1,137 @@
+"""The scheduler core's own CPU per token, without a transport (docs/benchmarks.md, section 3).
+
+    python benchmarks/core_cpu.py [--streams 256] [--max-new-tokens 64] [--num-requests 2048]
+
+Runs ``CoreService`` (the engine task, admission, the allocator, per-step messages to an API
+server) on one event loop against an in-process worker that answers every plan at once, and one
+in-process API-server stream that takes each step's message and acknowledges it. Plans and results
+still go through their protobuf encoding both ways, as over gRPC; the worker's side of that is
+timed apart and left out. What remains is the core's Python work per token at full batches: the
+floor under what the served core spends, which adds grpc.aio's per-message costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from pagewire_common import eventloop, wire
+from pagewire_common.plan import StepResult
+from pagewire_common.sampling import SamplingParams
+from pagewire_common.settings import Settings
+from pagewire_common.v1 import core_pb2
+from scheduler_svc.core_service import CoreService
+
+
+class InstantWorker:
+    """The WorkerLink interface, answering each plan at once with one token per sequence that
+    reached the end of its known tokens; its own CPU time (both wire ends) is counted apart."""
+
+    def __init__(self, address: str):
+        self.known: dict[int, int] = {}
+        self.computed: dict[int, int] = {}
+        self.results: list[StepResult] = []
+        self.cpu_s = 0.0
+
+    async def info(self, timeout: float = 5.0):
+        return SimpleNamespace(model_name="instant", vocab_size=50_000, max_model_len=4096, block_size=16,
+                               num_kv_blocks=1 << 16, eos_token_ids=[0], dtype="float32", device="cpu",
+                               tokenizer_files={})
+
+    def open(self) -> None:
+        pass
+
+    async def send(self, plan) -> None:
+        msg = wire.plan_to_pb(plan)  # the core's encode: counted with the core
+        t1 = time.process_time()
+        plan = wire.plan_from_pb(msg)
+        for seq_id in plan.finished_seq_ids:
+            self.known.pop(seq_id, None)
+            self.computed.pop(seq_id, None)
+        for s in plan.new_seqs:
+            self.known[s.seq_id] = len(s.token_ids)
+            self.computed[s.seq_id] = s.num_computed_tokens
+        seq_ids, tokens = [], []
+        for s in [*plan.new_seqs, *plan.running_seqs]:
+            done = self.computed[s.seq_id] + s.num_scheduled_tokens
+            self.computed[s.seq_id] = done
+            if done == self.known[s.seq_id]:
+                self.known[s.seq_id] += 1
+                seq_ids.append(s.seq_id)
+                tokens.append(7)
+        encoded = wire.result_to_pb(StepResult(plan.step_id, seq_ids, tokens))
+        self.cpu_s += time.process_time() - t1
+        self.results.append(wire.result_from_pb(encoded))  # the core's decode: counted with the core
+
+    async def receive(self):
+        await asyncio.sleep(0)
+        return self.results.pop(0)
+
+    def close_stream(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+async def run(args) -> tuple[float, float, int]:
+    workers: list[InstantWorker] = []
+    service = CoreService("in-process", Settings(max_num_seqs=args.streams),
+                          link_factory=lambda address: workers.append(InstantWorker(address)) or workers[-1])
+    service.start()
+    await service.connected.wait()
+    client = service.open_client()
+    sampling = wire.sampling_to_pb(SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True))
+    prompt = np.arange(1, 17, dtype="<i4").tobytes()
+    finished = 0
+    acked = 0
+
+    async def api_server() -> None:
+        nonlocal finished, acked
+        while finished < args.num_requests:
+            for msg in await client.outbox.take():
+                if msg is None:
+                    return
+                finished += len(msg.finished_rids) // 8
+                if msg.rids or msg.finished_rids:
+                    acked += 1
+                    service.apply(client, core_pb2.CoreRequests(num_outputs_done=acked))
+
+    consumer = asyncio.ensure_future(api_server())
+    t0 = time.process_time()
+    sent = 0
+    while sent < args.num_requests:
+        while sent - finished < args.streams and sent < args.num_requests:
+            service.apply(client, core_pb2.CoreRequests(adds=[core_pb2.CoreAdd(rid=sent, prompt_token_ids=prompt,
+                                                                                sampling=sampling)]))
+            sent += 1
+        await asyncio.sleep(0)
+    await consumer
+    total = time.process_time() - t0
+    steps = service.num_steps
+    await service.stop()
+    return total, workers[0].cpu_s, steps
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=2048)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    tokens = args.num_requests * args.max_new_tokens
+    for _ in range(args.repeat):
+        total, worker, steps = eventloop.run(run(args))
+        print(f"core CPU {1e6 * (total - worker) / tokens:.2f} us/token ({tokens / steps:.0f} tokens/step); "
+              f"the in-process worker's side of the wire {1e6 * worker / tokens:.2f} us/token, left out")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
