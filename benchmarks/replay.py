@@ -66,7 +66,7 @@ def replay(engine: EngineCore, arrivals: list[tuple[float, list[int]]], sampling
             continue
         result, done, record = clock.execute(plan)
         out.steps.append(record)
-        for delta in engine.process_result(result):
+        for delta in engine.outputs(engine.process_result(result)):
             rid = delta.request_id
             for _ in delta.token_ids:
                 if rid in last:

@@ -79,7 +79,7 @@ def run(llm: LLM, pacing: int, args) -> dict:
     base = llm.engine
     config = SchedulerConfig(max_model_len=base.config.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_num_seqs=256, prefill_pacing_steps=pacing)
-    engine = EngineCore(config, base.worker_info, llm.runner, llm.tokenizer)
+    engine = EngineCore(config, base.worker_info, llm.runner)
     arrivals = poisson_arrivals(args.seed, args.num_requests, args.request_rate, (16, 512), (1000, 20000))
     sampling = SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True)
     traced = replay(engine, arrivals, sampling, WallClock(engine, llm.runner))
