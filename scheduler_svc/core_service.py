@@ -34,6 +34,8 @@ log = logging.getLogger("pagewire.scheduler")
 
 # a new request needs a couple of turns of the loop to reach the core (CoreService._admit_arrivals)
 QUIET_TURNS = 6
+# the longest the core waits for one API server to hand on a step's tokens (backpressure)
+BACKPRESSURE_TIMEOUT_S = 1.0
 FINISH_CODES = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
@@ -78,6 +80,7 @@ class ApiClient:
         self.ready = False  # it knows the model and serves clients
         self.num_outputs_sent = 0  # CoreOutput messages with tokens sent on this stream...
         self.num_outputs_done = 0  # ...and how many of them the API server has handed on
+        self.unresponsive = False  # behind for longer than BACKPRESSURE_TIMEOUT_S: not waited for
         self.outbox = Outbox()
         self._clear()
 
@@ -117,8 +120,9 @@ class ApiClient:
 
     @property
     def is_behind(self) -> bool:
-        """More than the latest step's message is still unhandled at the API server."""
-        return self.num_outputs_sent - self.num_outputs_done > 1
+        """More than the latest step's message is still unhandled at the API server (one that
+        stopped answering is not waited for until it catches up again)."""
+        return self.num_outputs_sent - self.num_outputs_done > 1 and not self.unresponsive
 
     def error(self, rid: int, code: grpc.StatusCode, message: str) -> None:
         self.errors.append(core_pb2.CoreError(rid=rid, code=code.value[0], message=message))
@@ -289,6 +293,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             client.ready = True
         if msg.num_outputs_done > client.num_outputs_done:
             client.num_outputs_done = msg.num_outputs_done
+            client.unresponsive = False
             if not client.is_behind:
                 self._caught_up.set()
         for add in msg.adds:
@@ -431,7 +436,15 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         The worker meanwhile runs the plan in flight."""
         while any(c.is_behind for c in self._clients.values()) and not self._stopping:
             self._caught_up.clear()
-            await self._caught_up.wait()
+            try:
+                await asyncio.wait_for(self._caught_up.wait(), BACKPRESSURE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                # a server that hands on nothing for this long is frozen or swamped: the others go on
+                for client in self._clients.values():
+                    if client.is_behind:
+                        client.unresponsive = True
+                        log.warning("API server %d is %d messages behind; not waiting for it until it catches up",
+                                    client.client_id, client.num_outputs_sent - client.num_outputs_done)
 
     async def _admit_arrivals(self) -> None:
         """After a step, give the event loop turns while new requests keep arriving.

@@ -85,7 +85,14 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
                                       ("grpc.so_reuseport", 0),
                                       ("grpc.keepalive_permit_without_calls", 1),
                                       ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-                                      ("grpc.http2.max_ping_strikes", 0)])
+                                      ("grpc.http2.max_ping_strikes", 0),
+                                      # an API server that stops answering (frozen, not just gone) is
+                                      # dropped in seconds: the core waits for every API server
+                                      # (backpressure), so a silent one must not hold the others
+                                      ("grpc.keepalive_time_ms", 2000),
+                                      ("grpc.keepalive_timeout_ms", 3000),
+                                      # keep pinging while the stream is quiet (the core waits on it)
+                                      ("grpc.http2.max_pings_without_data", 0)])
     core_pb2_grpc.add_SchedulerCoreServicer_to_server(core, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if server.add_insecure_port(core_listen) == 0 and not core_listen.startswith("unix:"):

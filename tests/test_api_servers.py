@@ -180,6 +180,45 @@ def test_killing_the_worker_gives_unavailable_then_serve_serves_again(served, of
     all_blocks_free(addr)
 
 
+def test_a_frozen_api_server_does_not_hold_the_others(served, offline, model_dir):
+    """The core waits for every API server to hand on its tokens (backpressure); one that stops
+    answering (SIGSTOP) is dropped after the keepalive timeout, and the other's streams finish."""
+    serve, addr = served
+    victim = sorted(api_server_pids(serve))[0]
+    prompts = [p[:20] for p in (sample_prompts(model_dir, n=8) * 2)[:16]]
+    expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))]
+    calls = [own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=150, ignore_eos=True)),
+                                     timeout=40) for p in prompts]
+    firsts = [list(next(c).token_ids) for c in calls]
+    os.kill(victim, signal.SIGSTOP)
+    outcomes: dict[int, object] = {}
+
+    def finish(i):
+        try:
+            outcomes[i] = firsts[i] + [t for r in calls[i] for t in r.token_ids]
+        except grpc.RpcError as e:
+            outcomes[i] = e.code()
+
+    try:
+        threads = [threading.Thread(target=finish, args=(i,)) for i in range(16)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        completed = wait_until(lambda: [i for i in range(16) if isinstance(outcomes.get(i), list)] or None, timeout=30)
+        assert time.monotonic() - t0 < 30
+    finally:
+        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, signal.SIGCONT)
+    for t in threads:
+        t.join(60)
+    completed = [i for i in range(16) if isinstance(outcomes[i], list)]
+    assert completed and len(completed) < 16  # the frozen server's calls did not complete
+    for i in completed:
+        assert outcomes[i] == expected[i]
+    all_blocks_free(addr)
+    wait_until(lambda: (pids := api_server_pids(serve)) and len(pids) == 2 and victim not in pids, timeout=30)
+
+
 def test_sigterm_leaves_no_process_behind(model_dir, tmp_path):
     port = free_port()
     serve = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--api-servers", "2", *ENGINE],

@@ -20,7 +20,7 @@ from pagewire_common import wire
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2
-from scheduler_svc.core_service import ApiClient, CoreService
+from scheduler_svc.core_service import BACKPRESSURE_TIMEOUT_S, ApiClient, CoreService
 from scheduler_svc.worker_client import WorkerLinkError
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
 
@@ -399,9 +399,14 @@ def test_the_core_runs_at_most_a_step_ahead_of_an_api_server_that_has_not_caught
         # two results came back (the plan in flight is the one after them): nothing more until the API
         # server says it handed on all but the latest
         assert stalled_at == 2 and len(with_tokens) == 2
+        # one that stays silent is not waited for after BACKPRESSURE_TIMEOUT_S: the core goes on
+        await asyncio.sleep(BACKPRESSURE_TIMEOUT_S * 1.5)
+        moved_on = service.num_steps
+        assert moved_on > stalled_at + 5 and client.unresponsive
         received = Received(service)
         received.num_done = 2
         service.apply(client, core_pb2.CoreRequests(num_outputs_done=2))
+        assert not client.unresponsive  # it answered: waited for again
         await asyncio.wait_for(received.collect(client, 1), 10)
         steps = service.num_steps
         await service.stop()
