@@ -286,3 +286,35 @@ def _role(argv: str) -> str:
         if f"pagewire.cli --log-level info {role} " in argv:
             return role
     return "helper"
+
+
+def test_an_api_server_run_alone_in_front_of_a_core(model_dir, offline, tmp_path):
+    """`pagewire api-server --scheduler ADDR` adds a front door to a core started with --core-listen:
+    it serves the same tokens, and the core counts its requests."""
+    from tests.service_utils import start_worker
+
+    worker, worker_addr = start_worker(model_dir, tmp_path, extra=["--block-size", "4", "--num-kv-blocks", "600"])
+    core_addr = f"127.0.0.1:{free_port()}"
+    public = f"127.0.0.1:{free_port()}"
+    sched = Proc(["scheduler", "--worker", worker_addr, "--listen", public, "--core-listen", core_addr,
+                  "--max-num-batched-tokens", "64"], tmp_path / "scheduler.log")
+    extra_addr = f"127.0.0.1:{free_port()}"
+    api = None
+    try:
+        sched.wait_for_output("scheduler ready", timeout=60)
+        api = Proc(["api-server", "--scheduler", core_addr, "--listen", extra_addr], tmp_path / "api.log")
+        api.wait_for_output("api-server ready", timeout=60)
+        prompt = [5, 6, 7, 8]
+        expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0]
+        for addr in (extra_addr, public):
+            responses = list(own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=prompt,
+                                                                         sampling=sampling(max_tokens=10))))
+            assert [t for r in responses for t in r.token_ids] == expected.token_ids
+            assert "".join(r.text for r in responses) == expected.text
+        stats = own_stub(extra_addr).GetStats(pb.StatsRequest())
+        assert stats.num_requests_finished == 2  # both doors, one core
+    finally:
+        if api is not None:
+            api.stop()
+        sched.stop()
+        worker.stop()
