@@ -31,6 +31,7 @@ from scheduler_svc.engine import RequestOutput, validate_prompt_tokens
 from scheduler_svc.output import TextStream
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import OffloadedTokenizer, Tokenizer
+from scheduler_svc.worker_client import CHANNEL_OPTIONS  # the same internal-link options
 
 log = logging.getLogger("pagewire.api")
 
@@ -41,16 +42,6 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
-CORE_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 3000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 @dataclass(slots=True)
@@ -119,7 +110,7 @@ class ApiServer:
         self.core_address = core_address
         self.stream_interval = stream_interval
         self._on_health = on_health or (lambda serving: None)
-        self._channel = grpc.aio.insecure_channel(core_address, options=CORE_CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(core_address, options=CHANNEL_OPTIONS)
         self._stub = core_pb2_grpc.SchedulerCoreStub(self._channel)
         self._call = None
         self._rids = itertools.count(1)

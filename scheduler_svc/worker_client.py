@@ -10,15 +10,16 @@ from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# the options of both internal links (core -> worker, API server -> core)
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # a worker that stops answering (not just one that closes its socket) is noticed in seconds
+    # a peer that stops answering (not just one that closes its socket) is noticed in seconds
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    # reconnect quickly when a restarted worker comes back
+    # reconnect quickly when a restarted peer comes back
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
