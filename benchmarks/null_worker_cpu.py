@@ -91,7 +91,7 @@ def measure(num_api_servers: int, args) -> dict:
     server = ServedServer(
         [sys.executable, "-m", "pagewire.cli", "serve", "--worker", "null", "--listen", addr,
          "--max-num-seqs", str(args.concurrency), "--stream-interval", str(args.stream_interval),
-         "--api-servers", str(num_api_servers)],
+         "--api-servers", str(num_api_servers), *args.serve_args.split()],
         addr,
     )
     server.start(timeout=180)
@@ -142,6 +142,7 @@ def main() -> int:
     p.add_argument("--repeat-runs", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--client-processes", type=int, default=None, help="passed to `pagewire bench`")
+    p.add_argument("--serve-args", default="", metavar="ARGS", help="more flags for `pagewire serve`, e.g. '--admission-turns 0'")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args()
     results = [measure(int(n), args) for n in args.api_servers.split(",")]
