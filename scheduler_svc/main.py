@@ -34,20 +34,27 @@ log = logging.getLogger("pagewire.scheduler")
 CORE_SERVICE_NAME = "pagewire.v1.SchedulerCore"
 
 
-def check_address_free(listen: str) -> str:
+def check_address_free(listen: str, wait_s: float = 0.0) -> str:
     """Fail clearly when the public address is taken (SO_REUSEPORT would otherwise let a second
-    server share it silently); resolve port 0 to a free port. Returns the address to use."""
+    server share it silently); resolve port 0 to a free port. Returns the address to use.
+    ``wait_s``: keep trying that long first (a restarted scheduler's old API servers may still be
+    letting go of the port)."""
     if listen.startswith("unix:"):
         return listen
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, int(port)))
-        except OSError as e:
-            raise OSError(f"cannot listen on {listen}: {e.strerror} (is another server running there?)") from None
-        bound = s.getsockname()[1]
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, int(port)))
+                bound = s.getsockname()[1]
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise OSError(f"cannot listen on {listen}: {e.strerror} (is another server running there?)") from None
+        time.sleep(0.1)
     return f"{listen.rpartition(':')[0]}:{bound}"
 
 
@@ -60,7 +67,7 @@ def api_server_argv(core_address: str, listen: str, settings: Settings, log_leve
 async def run_scheduler(worker_address: str, listen: str, settings: Settings, *, core_listen: str | None = None,
                         log_level: str = "info", stop_event: asyncio.Event | None = None) -> int:
     """The core process: serve until SIGINT/SIGTERM (or ``stop_event``), then drain and stop."""
-    listen = check_address_free(listen)
+    listen = check_address_free(listen, wait_s=5.0)
     loop = asyncio.get_running_loop()
     tmpdir = None
     if core_listen is None:

@@ -219,6 +219,36 @@ def test_a_frozen_api_server_does_not_hold_the_others(served, offline, model_dir
     wait_until(lambda: (pids := api_server_pids(serve)) and len(pids) == 2 and victim not in pids, timeout=30)
 
 
+def test_killing_the_core_restarts_it_with_new_api_servers(model_dir, offline, tmp_path):
+    """The scheduler core SIGKILLed: its API servers exit with it (parent-death signal), serve
+    starts a new core, which starts new API servers on the same port, and serving goes on."""
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", addr, "--api-servers", "2", *ENGINE], tmp_path / "serve.log")
+    try:
+        serve.wait_for_output("pagewire ready", timeout=120)
+        (core,) = [pid for pid, argv in descendants(serve.proc.pid) if _role(argv) == "scheduler"]
+        old_api = set(api_server_pids(serve))
+        os.kill(core, signal.SIGKILL)
+        expected = offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))[0].token_ids
+
+        def serves_again():
+            try:
+                return [t for r in own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                                                               sampling=sampling(max_tokens=6)), timeout=10)
+                        for t in r.token_ids]
+            except grpc.RpcError:
+                return None
+
+        assert wait_until(serves_again, timeout=60, interval=0.3) == expected
+        new_api = wait_until(lambda: (pids := set(api_server_pids(serve))) and len(pids) == 2 and pids, timeout=30)
+        assert not new_api & old_api
+        assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in old_api)
+        assert serve.proc.poll() is None and "the scheduler exited with code -9; restarting it" in serve.output()
+    finally:
+        serve.stop(30)
+
+
 def test_sigterm_leaves_no_process_behind(model_dir, tmp_path):
     port = free_port()
     serve = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--api-servers", "2", *ENGINE],
