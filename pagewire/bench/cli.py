@@ -252,8 +252,10 @@ def validate_args(args) -> None:
             raise BenchError(str(e)) from None
     if not args.serve:
         # the baselines follow what the running server reports (dtype, block size, KV blocks)
+        # the settings the baselines also use (model, device, batch limits, prefix cache) are not server-only
+        also_baselines = ("model", "device", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching")
         server_only = [flag for flag, dest in passthrough_flags()
-                       if dest != "model" and getattr(args, dest) is not None]
+                       if dest not in also_baselines and getattr(args, dest) is not None]
         if server_only:
             print(f"pagewire bench: note: {', '.join(server_only)} only configure a server started with --serve; "
                   f"the server at {args.addr or DEFAULT_ADDR} keeps its own settings", file=sys.stderr)
