@@ -112,10 +112,12 @@ def test_killing_an_api_server_fails_only_its_calls_and_serve_replaces_it(served
     serve, addr = served
     old = set(api_server_pids(serve))
     assert len(old) == 2
-    prompts = [p[:20] for p in (sample_prompts(model_dir, n=8) * 3)[:20]]
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    # 20 distinct prompts, none shared with the other tests (no prefix-cache hits), and
+    # 20 x (27 + 80) tokens fit the 2,400-token cache (no preemption)
+    prompts = sample_prompts(model_dir, lengths=list(range(8, 28)), seed=11)
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     expected = [o.token_ids for o in offline.generate(prompts, params)]
-    calls = [own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=200, ignore_eos=True)),
+    calls = [own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=80, ignore_eos=True)),
                                      timeout=120) for p in prompts]
     firsts = [list(next(c).token_ids) for c in calls]  # every stream is running
     victim = sorted(old)[0]
@@ -185,9 +187,11 @@ def test_a_frozen_api_server_does_not_hold_the_others(served, offline, model_dir
     answering (SIGSTOP) is dropped after the keepalive timeout, and the other's streams finish."""
     serve, addr = served
     victim = sorted(api_server_pids(serve))[0]
-    prompts = [p[:20] for p in (sample_prompts(model_dir, n=8) * 2)[:16]]
-    expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))]
-    calls = [own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=150, ignore_eos=True)),
+    # 16 distinct prompts, none shared with the other tests, and 16 x (45 + 60) tokens fit the
+    # 2,400-token cache (no preemption)
+    prompts = sample_prompts(model_dir, lengths=list(range(30, 46)), seed=12)
+    expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))]
+    calls = [own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=60, ignore_eos=True)),
                                      timeout=40) for p in prompts]
     firsts = [list(next(c).token_ids) for c in calls]
     os.kill(victim, signal.SIGSTOP)
