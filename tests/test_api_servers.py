@@ -40,6 +40,23 @@ def worker_pid(serve: Proc) -> int:
     return pid
 
 
+def read_rest(calls, firsts) -> tuple[dict[int, object], list[threading.Thread]]:
+    """Read the rest of every stream in a thread of its own: call i's outcome is all its tokens,
+    or the status code it ended with (filled in as the threads finish)."""
+    outcomes: dict[int, object] = {}
+
+    def finish(i):
+        try:
+            outcomes[i] = firsts[i] + [t for r in calls[i] for t in r.token_ids]
+        except grpc.RpcError as e:
+            outcomes[i] = e.code()
+
+    threads = [threading.Thread(target=finish, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    return outcomes, threads
+
+
 def all_blocks_free(addr: str):
     def done():
         s = own_stub(addr).GetStats(pb.StatsRequest(), timeout=5)
@@ -122,17 +139,7 @@ def test_killing_an_api_server_fails_only_its_calls_and_serve_replaces_it(served
     firsts = [list(next(c).token_ids) for c in calls]  # every stream is running
     victim = sorted(old)[0]
     os.kill(victim, signal.SIGKILL)
-    outcomes: dict[int, object] = {}
-
-    def finish(i):
-        try:
-            outcomes[i] = firsts[i] + [t for r in calls[i] for t in r.token_ids]
-        except grpc.RpcError as e:
-            outcomes[i] = e.code()
-
-    threads = [threading.Thread(target=finish, args=(i,)) for i in range(20)]
-    for t in threads:
-        t.start()
+    outcomes, threads = read_rest(calls, firsts)
     for t in threads:
         t.join(120)
     failed = [i for i in range(20) if outcomes[i] == grpc.StatusCode.UNAVAILABLE]
@@ -195,19 +202,9 @@ def test_a_frozen_api_server_does_not_hold_the_others(served, offline, model_dir
                                      timeout=40) for p in prompts]
     firsts = [list(next(c).token_ids) for c in calls]
     os.kill(victim, signal.SIGSTOP)
-    outcomes: dict[int, object] = {}
-
-    def finish(i):
-        try:
-            outcomes[i] = firsts[i] + [t for r in calls[i] for t in r.token_ids]
-        except grpc.RpcError as e:
-            outcomes[i] = e.code()
-
     try:
-        threads = [threading.Thread(target=finish, args=(i,)) for i in range(16)]
         t0 = time.monotonic()
-        for t in threads:
-            t.start()
+        outcomes, threads = read_rest(calls, firsts)
         completed = wait_until(lambda: [i for i in range(16) if isinstance(outcomes.get(i), list)] or None, timeout=30)
         assert time.monotonic() - t0 < 30
     finally:
