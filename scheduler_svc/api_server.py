@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -23,15 +22,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import wire
-from pagewire_common.v1 import core_pb2, core_pb2_grpc
+from pagewire_common.v1 import core_pb2, core_pb2_grpc, generation_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
-from pagewire_common.v1 import generation_pb2_grpc
+from scheduler_svc.api_request import (
+    ApiRequest,
+    Failure,
+    NotReadyError,
+    RequestError,
+    open_request,
+)
 from scheduler_svc.core_service import Outbox
-from scheduler_svc.engine import RequestOutput, validate_prompt_tokens
+from scheduler_svc.engine import RequestOutput
 from scheduler_svc.output import TextStream
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import OffloadedTokenizer, Tokenizer
-from scheduler_svc.worker_client import CHANNEL_OPTIONS  # the same internal-link options
+from scheduler_svc.worker_client import (
+    CHANNEL_OPTIONS,  # the same internal-link options
+)
 
 log = logging.getLogger("pagewire.api")
 
@@ -44,14 +51,6 @@ _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 
 
-@dataclass(slots=True)
-class Failure:
-    """Put on a request's outbox when the core refused or lost it."""
-
-    code: grpc.StatusCode
-    message: str
-
-
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """What the core reported: the limits requests are validated against, and the tokenizer."""
@@ -61,53 +60,21 @@ class ServedModel:
     offloaded: OffloadedTokenizer | None
 
 
-class StreamOutbox(Outbox):
-    """A request's outbox that tells its API server when what was put on it has been taken by the
-    request's handler (which then writes it to the client). The server acknowledges the core's
-    messages once every stream has taken its part: the core runs at the pace this server streams."""
-
-    __slots__ = ("_api", "_counted")
-
-    def __init__(self, api: "ApiServer"):
-        super().__init__()
-        self._api = api
-        self._counted = False
-
-    def put_nowait(self, item) -> None:
-        if not self._counted:
-            self._counted = True
-            self._api._num_undelivered += 1
-        super().put_nowait(item)
-
-    async def take(self) -> list:
-        items = await super().take()
-        self.release()
-        return items
-
-    def release(self) -> None:
-        """Nothing on it is waiting any more (taken, or its handler is gone)."""
-        if self._counted:
-            self._counted = False
-            self._api._delivered()
-
-
 class _Pending:
-    __slots__ = ("stream", "outbox")
+    __slots__ = ("stream", "outbox", "request")
 
-    def __init__(self, stream: TextStream, outbox: Outbox):
+    def __init__(self, stream: TextStream, outbox: Outbox, request: ApiRequest | None):
         self.stream = stream
         self.outbox = outbox
-
-
-class NotReadyError(RuntimeError):
-    pass
+        self.request = request
 
 
 class ApiServer:
     """The state of one API-server process: its link to the core and its requests in flight."""
 
-    def __init__(self, core_address: str, stream_interval: int = 1, on_health=None):
+    def __init__(self, core_address: str, stream_interval: int = 1, on_health=None, metrics=None):
         self.core_address = core_address
+        self.metrics = metrics  # RequestMetrics, or None
         self.stream_interval = stream_interval
         self._on_health = on_health or (lambda serving: None)
         self._channel = grpc.aio.insecure_channel(core_address, options=CHANNEL_OPTIONS)
@@ -128,6 +95,7 @@ class ApiServer:
         self._write_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self.draining = False  # shutting down: new requests are refused on every door
         self._said_ready = False
         # core messages with tokens: dispatched to their streams, taken by every stream, told to the core
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
@@ -173,12 +141,13 @@ class ApiServer:
         self._num_rejected += 1
         self._flush_wanted.set()
 
-    def submit(self, request_id: str, token_ids: list[int], sampling, outbox: Outbox) -> int:
+    def submit(self, request_id: str, token_ids: list[int], sampling, outbox: Outbox,
+               request: ApiRequest | None = None) -> int:
         if not self.connected.is_set():
             raise NotReadyError("the worker is not connected" if self.core_connected else "the scheduler core is not connected")
         rid = next(self._rids)
         self.pending[rid] = _Pending(
-            TextStream(request_id, token_ids, sampling, self.model.tokenizer, self.stream_interval), outbox)
+            TextStream(request_id, token_ids, sampling, self.model.tokenizer, self.stream_interval), outbox, request)
         self._out.adds.append(core_pb2.CoreAdd(
             rid=rid, prompt_token_ids=np.asarray(token_ids, dtype=_I32).tobytes(),
             sampling=wire.sampling_to_pb(sampling), request_id=request_id))
@@ -269,7 +238,7 @@ class ApiServer:
             if msg.rids or msg.finished_rids:
                 self._num_outputs_dispatched += 1
                 if not self._num_undelivered:
-                    self._delivered()
+                    self.delivered()
 
     async def _worker_state(self, msg: core_pb2.CoreOutput) -> None:
         self.worker_connected = msg.worker_connected
@@ -295,7 +264,11 @@ class ApiServer:
             self._out.ready = True
             self._flush_wanted.set()
 
-    def _delivered(self) -> None:
+    def note_undelivered(self) -> None:
+        """A stream has something put on its outbox that its handler has not taken yet."""
+        self._num_undelivered += 1
+
+    def delivered(self) -> None:
         """A stream took what was put on it; once none has anything waiting, every core message
         dispatched so far is done."""
         if self._num_undelivered > 0:
@@ -340,6 +313,8 @@ class ApiServer:
                 p = pending.get(rid)
                 if p is not None:
                     p.stream.num_cached_prompt_tokens = n
+                    if p.request is not None:
+                        p.request.started()
         touched: dict[int, _Pending] = {}
         if msg.rids:
             rids = np.frombuffer(msg.rids, dtype=_I64).tolist()
@@ -372,23 +347,16 @@ class ApiServer:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, api: ApiServer):
         self.api = api
-        self.draining = False
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        prompt = request.prompt if request.prompt else None
-        ids = list(request.prompt_token_ids) if len(request.prompt_token_ids) else None
-        if prompt is None and ids is None:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or prompt_token_ids (both are empty)")
-        if prompt is not None and ids is not None:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "give either prompt or prompt_token_ids, not both")
-        async for resp in self._run(request.request_id, prompt, ids, None, request.sampling, request.model, context):
+        async for resp in self._run(context, request.request_id, request.sampling, request.model,
+                                    prompt=request.prompt or None,
+                                    prompt_token_ids=list(request.prompt_token_ids) or None):
             yield resp
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext):
-        if not request.messages:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "messages is empty")
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        async for resp in self._run(request.request_id, None, None, messages, request.sampling, request.model, context):
+        async for resp in self._run(context, request.request_id, request.sampling, request.model, messages=messages):
             yield resp
 
     async def GetModelInfo(self, request, context):
@@ -411,58 +379,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- one request ------------------------------------------------------------------------
 
-    async def _reject(self, context, code: grpc.StatusCode, message: str):
-        self.api.reject()
-        await context.abort(code, message)
-
-    async def _run(self, request_id, prompt, ids, messages, sampling_msg, model_name, context):
-        api = self.api
-        if self.draining:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        model = api.model
-        if model is None or not api.connected.is_set():
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE,
-                               "the worker is not connected" if api.core_connected else "the scheduler core is not connected")
-        info = model.info
-        if model_name and model_name != info.model_name:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"unknown model {model_name!r}; this server serves {info.model_name!r}")
+    async def _run(self, context, request_id, sampling_msg, model_name, **prompt):
         try:
-            sampling = wire.sampling_from_pb(sampling_msg)
-            if ids is None:
-                if model.offloaded is None:
-                    raise ValueError("this model has no tokenizer; send prompt_token_ids")
-                if messages is not None:
-                    _, ids = await model.offloaded.encode_chat(messages)
-                else:
-                    ids = await model.offloaded.encode(prompt)
-                if not ids:
-                    raise ValueError("prompt encodes to no tokens")
-            validate_prompt_tokens(ids, sampling, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                                   strict_length=True)
+            sampling, sampling_error = wire.sampling_from_pb(sampling_msg), None
         except ValueError as e:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        request_id = request_id or uuid.uuid4().hex
-        outbox = StreamOutbox(api)
+            sampling, sampling_error = None, str(e)
         try:
-            rid = api.submit(request_id, ids, sampling, outbox)
-        except NotReadyError as e:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e))
-        finished = False
+            req = await open_request(self.api, request_id=request_id, sampling=sampling, sampling_error=sampling_error,
+                                     model_name=model_name, **prompt)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
         try:
-            while not finished:
-                # deltas that piled up while this stream was being written go out as one message
-                items = await outbox.take()
-                last = items[-1]
-                if isinstance(last, Failure):  # always the last item: nothing follows it
-                    finished = True
-                    await context.abort(last.code, last.message)
-                finished = last.finished
-                yield _response(request_id, items)
+            # deltas that piled up while this stream was being written go out as one message
+            async for items in req:
+                yield _response(req.request_id, items)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
         finally:
-            outbox.release()
-            if not finished:  # cancelled, deadline passed, or the client went away
-                api.abort(rid)
+            req.close()
 
 
 def _response(request_id: str, items: list[RequestOutput]) -> pb.GenerateResponse:

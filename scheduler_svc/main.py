@@ -157,10 +157,9 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
             for name in ("", SERVICE_NAME):
                 await health_holder[0].set(name, status)
 
-        if health_holder and not servicer_state["draining"]:
+        if health_holder and not api.draining:
             loop.create_task(_set())
 
-    servicer_state = {"draining": False}
     api = ApiServer(core_address, settings.stream_interval, on_health=on_health)
     server, port, servicer, health_servicer = await build_server(api, listen, reuse_port)
     health_holder.append(health_servicer)
@@ -178,8 +177,7 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         gc.freeze()
         print(f"pagewire api-server ready on {listen} (pid {os.getpid()}), scheduler {core_address}", flush=True)
     await stop.wait()
-    servicer.draining = True
-    servicer_state["draining"] = True
+    api.draining = True
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + settings.shutdown_timeout
     while api.pending and time.monotonic() < deadline and api.core_connected:

@@ -1,0 +1,194 @@
+"""One request through an API server, whichever door it came in by (gRPC or OpenAI HTTP).
+
+``open_request`` is the one place that says what a valid request is: the server is up, the model
+name matches, the prompt tokenizes (off the event loop) and fits the model, the sampling
+parameters are in range. It then hands the request to the core. ``ApiRequest`` yields the
+request's deltas as the core's steps produce them and aborts it in the core when its reader
+leaves before the end. A refusal or a failure is a ``RequestError`` carrying a gRPC status; the
+HTTP door maps that status to its own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
+
+import grpc
+
+from pagewire_common.sampling import SamplingParams
+from scheduler_svc.core_service import Outbox
+from scheduler_svc.engine import RequestOutput, validate_prompt_tokens
+
+if TYPE_CHECKING:
+    from scheduler_svc.api_server import ApiServer
+
+
+@dataclass(slots=True)
+class Failure:
+    """Put on a request's outbox when the core refused or lost it."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+class NotReadyError(RuntimeError):
+    pass
+
+
+class StreamOutbox(Outbox):
+    """A request's outbox that tells its API server when what was put on it has been taken by the
+    request's handler (which then writes it to the client). The server acknowledges the core's
+    messages once every stream has taken its part: the core runs at the pace this server streams."""
+
+    __slots__ = ("_api", "_counted")
+
+    def __init__(self, api: ApiServer):
+        super().__init__()
+        self._api = api
+        self._counted = False
+
+    def put_nowait(self, item) -> None:
+        if not self._counted:
+            self._counted = True
+            self._api.note_undelivered()
+        super().put_nowait(item)
+
+    async def take(self) -> list:
+        items = await super().take()
+        self.release()
+        return items
+
+    def release(self) -> None:
+        """Nothing on it is waiting any more (taken, or its handler is gone)."""
+        if self._counted:
+            self._counted = False
+            self._api.delivered()
+
+
+class RequestError(Exception):
+    """A request refused before it reached the core, or failed in it (``code`` is its gRPC status)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ApiRequest:
+    """A request handed to the core: iterate it for its deltas (lists of ``RequestOutput``, the
+    ones that piled up while the reader was busy); ``close`` it when done (an unfinished request
+    is aborted, its blocks freed within a step)."""
+
+    __slots__ = ("api", "rid", "request_id", "prompt_token_ids", "sampling", "outbox", "finished",
+                 "arrival", "first_token_at", "last_token_at", "num_output_tokens")
+
+    def __init__(self, api: ApiServer, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
+        self.api = api
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.outbox = StreamOutbox(api)
+        self.finished = False
+        self.arrival = time.monotonic()
+        self.first_token_at = self.last_token_at = None
+        self.num_output_tokens = 0
+        self.rid = api.submit(request_id, prompt_token_ids, sampling, self.outbox, self)
+
+    async def __aiter__(self) -> AsyncIterator[list[RequestOutput]]:
+        while not self.finished:
+            items = await self.outbox.take()
+            last = items[-1]
+            if isinstance(last, Failure):  # always the last item: nothing follows it
+                self.finished = True
+                raise RequestError(last.code, last.message)
+            self._observe(items)
+            self.finished = last.finished
+            yield items
+
+    def started(self) -> None:
+        """The core scheduled the request for the first time: its time in the queue ends."""
+        if self.api.metrics is not None:
+            self.api.metrics.queue_time(time.monotonic() - self.arrival)
+
+    def _observe(self, items: list[RequestOutput]) -> None:
+        metrics = self.api.metrics
+        now = time.monotonic()
+        n = sum(len(it.token_ids) for it in items)
+        if n:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                if metrics is not None:
+                    metrics.first_token(now - self.arrival)
+                n_between = n - 1
+            else:
+                n_between = n
+            if n_between and metrics is not None:
+                # tokens that arrived together share the time since the last delta
+                metrics.inter_token(now - self.last_token_at, n_between)
+            self.last_token_at = now
+            self.num_output_tokens += n
+        last = items[-1]
+        if last.finished and metrics is not None:
+            metrics.finished(self, last, now)
+
+    def close(self) -> None:
+        self.outbox.release()
+        if not self.finished:  # cancelled, deadline passed, or the client went away
+            self.finished = True
+            self.api.abort(self.rid)
+
+
+async def open_request(api: ApiServer, *, request_id: str = "", sampling: SamplingParams | None = None,
+                       sampling_error: str | None = None, prompt: str | None = None,
+                       prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
+                       model_name: str = "") -> ApiRequest:
+    """Validate, tokenize and submit one request; ``RequestError`` says why it was refused (each
+    refusal is counted in the core's stats). A door that could not build the sampling parameters
+    passes the reason as ``sampling_error``, so checks run in the same order for every door."""
+    try:
+        return await _open(api, request_id, sampling, sampling_error, prompt, prompt_token_ids, messages, model_name)
+    except RequestError:
+        api.reject()
+        raise
+
+
+async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages, model_name) -> ApiRequest:
+    if api.draining:
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+    model = api.model
+    if model is None or not api.connected.is_set():
+        raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                           "the worker is not connected" if api.core_connected else "the scheduler core is not connected")
+    info = model.info
+    if model_name and model_name != info.model_name:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"unknown model {model_name!r}; this server serves {info.model_name!r}")
+    given = sum(x is not None for x in (prompt, ids, messages))
+    if given != 1:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "give a prompt or prompt_token_ids (both are empty)" if not given
+                           else "give either prompt or prompt_token_ids, not both")
+    try:
+        if sampling_error is not None:
+            raise ValueError(sampling_error)
+        if ids is None:
+            if model.offloaded is None:
+                raise ValueError("this model has no tokenizer; send prompt_token_ids")
+            if messages is not None:
+                if not messages:
+                    raise ValueError("messages is empty")
+                _, ids = await model.offloaded.encode_chat(messages)
+            else:
+                ids = await model.offloaded.encode(prompt)
+            if not ids:
+                raise ValueError("prompt encodes to no tokens")
+        validate_prompt_tokens(ids, sampling, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                               strict_length=True)
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    try:
+        return ApiRequest(api, request_id or uuid.uuid4().hex, list(ids), sampling)
+    except NotReadyError as e:
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
