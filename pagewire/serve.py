@@ -32,6 +32,8 @@ def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
     from scheduler_svc.main import check_address_free
 
     listen = check_address_free(listen)  # one clear line, before anything starts
+    if settings.http_listen != "off":
+        settings = settings.replace(http_listen=check_address_free(settings.http_listen))
     sock_dir = tempfile.mkdtemp(prefix="pagewire-")
     worker_addr = f"unix:{sock_dir}/worker.sock"
     core_addr = f"unix:{sock_dir}/core.sock"
@@ -60,7 +62,9 @@ async def _serve(settings: Settings, listen: str, log_level: str, worker_addr: s
         if await _wait_ready(core_addr, settings.api_servers, stop):
             supervisor.mark_ready("worker")
             supervisor.mark_ready("scheduler")
-            print(f"pagewire ready: serving on {listen}", flush=True)
+            from scheduler_svc.main import http_url
+
+            print(f"pagewire ready: serving on {listen}{http_url(settings)}", flush=True)
         await stop.wait()
     finally:
         watcher.cancel()

@@ -69,6 +69,15 @@ def _power_of_two(value) -> str | None:
     return None
 
 
+def _http_address(value) -> str | None:
+    if value == "off":
+        return None
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        return f"must be host:port or off, got {value!r}"
+    return None
+
+
 def _setting(default, help: str, *, scope: tuple[str, ...], check=None, type=None, flag=None,
              negate: str | None = None, metavar=None, choices=None):
     """One setting. ``negate`` names the flag that turns a default-True bool off
@@ -158,6 +167,9 @@ class Settings:
         1, "API-server processes sharing the public address (SO_REUSEPORT: the kernel spreads connections); "
         "each tokenizes, detokenizes and streams its own clients (default: %(default)s)", scope=(PROCESS,),
         check=_at_least(1), type=int, metavar="N")
+    http_listen: str = _setting(
+        "127.0.0.1:8000", "address of the OpenAI-compatible HTTP API and /metrics on every API server, host:port, "
+        "or off (default: %(default)s)", scope=(PROCESS,), check=_http_address, type=str, metavar="ADDR")
     shutdown_timeout: float = _setting(
         30.0, "seconds to let running requests finish on SIGTERM (default: %(default)s)", scope=(PROCESS,),
         check=_at_least(0), type=float)

@@ -10,6 +10,7 @@ HTTP door maps that status to its own.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -110,51 +111,53 @@ class ApiRequest:
     def started(self) -> None:
         """The core scheduled the request for the first time: its time in the queue ends."""
         if self.api.metrics is not None:
-            self.api.metrics.queue_time(time.monotonic() - self.arrival)
+            self.api.metrics.queue_time(time.monotonic() - self.arrival, len(self.prompt_token_ids))
 
     def _observe(self, items: list[RequestOutput]) -> None:
-        metrics = self.api.metrics
         now = time.monotonic()
         n = sum(len(it.token_ids) for it in items)
+        metrics = self.api.metrics
         if n:
+            if metrics is not None:
+                if self.first_token_at is None:
+                    metrics.first_token(now - self.arrival)
+                metrics.tokens(n, None if self.last_token_at is None else now - self.last_token_at)
             if self.first_token_at is None:
                 self.first_token_at = now
-                if metrics is not None:
-                    metrics.first_token(now - self.arrival)
-                n_between = n - 1
-            else:
-                n_between = n
-            if n_between and metrics is not None:
-                # tokens that arrived together share the time since the last delta
-                metrics.inter_token(now - self.last_token_at, n_between)
             self.last_token_at = now
             self.num_output_tokens += n
         last = items[-1]
         if last.finished and metrics is not None:
-            metrics.finished(self, last, now)
+            metrics.finished(last.finish_reason.value, now - self.arrival)
 
     def close(self) -> None:
         self.outbox.release()
         if not self.finished:  # cancelled, deadline passed, or the client went away
             self.finished = True
             self.api.abort(self.rid)
+            if self.api.metrics is not None:
+                self.api.metrics.finished("abort", time.monotonic() - self.arrival)
 
 
 async def open_request(api: ApiServer, *, request_id: str = "", sampling: SamplingParams | None = None,
                        sampling_error: str | None = None, prompt: str | None = None,
                        prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
-                       model_name: str = "") -> ApiRequest:
+                       model_name: str = "", fill_max_tokens: bool = False) -> ApiRequest:
     """Validate, tokenize and submit one request; ``RequestError`` says why it was refused (each
     refusal is counted in the core's stats). A door that could not build the sampling parameters
-    passes the reason as ``sampling_error``, so checks run in the same order for every door."""
+    passes the reason as ``sampling_error``, so checks run in the same order for every door.
+    ``fill_max_tokens``: generate up to the model length (``sampling.max_tokens`` is replaced by
+    what the prompt leaves)."""
     try:
-        return await _open(api, request_id, sampling, sampling_error, prompt, prompt_token_ids, messages, model_name)
+        return await _open(api, request_id, sampling, sampling_error, prompt, prompt_token_ids, messages, model_name,
+                           fill_max_tokens)
     except RequestError:
         api.reject()
         raise
 
 
-async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages, model_name) -> ApiRequest:
+async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages, model_name,
+                fill_max_tokens) -> ApiRequest:
     if api.draining:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
     model = api.model
@@ -184,6 +187,8 @@ async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages
                 ids = await model.offloaded.encode(prompt)
             if not ids:
                 raise ValueError("prompt encodes to no tokens")
+        if fill_max_tokens:
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, info.max_model_len - len(ids)))
         validate_prompt_tokens(ids, sampling, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
                                strict_length=True)
     except ValueError as e:

@@ -257,6 +257,8 @@ class ApiServer:
                     # start its helper process now, not at the first big prompt
                     await asyncio.get_running_loop().run_in_executor(None, offloaded.warm_up)
                 self.model = ServedModel(info, tokenizer, offloaded)
+            if self.metrics is not None:
+                self.metrics.set_model_name(info.model_name)
             self.worker_generation = msg.worker_generation
         self._set_connected(self.worker_connected and self.model is not None)
         if self.connected.is_set() and not self._said_ready:

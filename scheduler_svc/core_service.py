@@ -159,7 +159,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self.num_rejected = 0
         self.num_steps = 0
         # figures of engines before the last reconnect
-        self._past = dict(finished=0, aborted=0, preemptions=0)
+        self._past = dict(finished=0, aborted=0, preemptions=0, prefix_queried=0, prefix_hits=0)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -258,6 +258,9 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             worker_connected=self.connected.is_set(),
             num_steps=self.num_steps,
             num_preemptions=self._past["preemptions"] + (engine.scheduler.num_preemptions if engine else 0),
+            num_prefix_cache_queried_tokens=self._past["prefix_queried"]
+            + (engine.scheduler.num_prefix_queried_tokens if engine else 0),
+            num_prefix_cache_hit_tokens=self._past["prefix_hits"] + (engine.scheduler.num_prefix_hit_tokens if engine else 0),
         )
 
     # ---- requests from API servers -------------------------------------------------------------
@@ -402,6 +405,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self._past["finished"] += engine.num_finished
             self._past["aborted"] += engine.num_aborted
             self._past["preemptions"] += engine.scheduler.num_preemptions
+            self._past["prefix_queried"] += engine.scheduler.num_prefix_queried_tokens
+            self._past["prefix_hits"] += engine.scheduler.num_prefix_hit_tokens
 
     async def _serve_steps(self) -> None:
         """Run steps while connected; sleep when there is nothing to do."""

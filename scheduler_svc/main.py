@@ -29,6 +29,9 @@ from pagewire_common.supervisor import Supervisor
 from pagewire_common.v1 import core_pb2_grpc
 from scheduler_svc.api_server import SERVICE_NAME, ApiServer, build_server
 from scheduler_svc.core_service import CoreService
+from scheduler_svc.http_server import start_http
+from scheduler_svc.metrics import MULTIPROC_ENV, RequestMetrics
+from scheduler_svc.metrics import multiprocess_dir as metrics_multiprocess_dir
 
 log = logging.getLogger("pagewire.scheduler")
 CORE_SERVICE_NAME = "pagewire.v1.SchedulerCore"
@@ -60,19 +63,28 @@ def check_address_free(listen: str, wait_s: float = 0.0) -> str:
 
 def api_server_argv(core_address: str, listen: str, settings: Settings, log_level: str) -> list[str]:
     return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "api-server",
-            "--scheduler", core_address, "--listen", listen, "--reuse-port",
+            "--scheduler", core_address, "--listen", listen, "--reuse-port", "--http-listen", settings.http_listen,
             "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((API,))]
+
+
+def http_url(settings: Settings) -> str:
+    return "" if settings.http_listen == "off" else f", OpenAI HTTP on http://{settings.http_listen}"
 
 
 async def run_scheduler(worker_address: str, listen: str, settings: Settings, *, core_listen: str | None = None,
                         log_level: str = "info", stop_event: asyncio.Event | None = None) -> int:
     """The core process: serve until SIGINT/SIGTERM (or ``stop_event``), then drain and stop."""
     listen = check_address_free(listen, wait_s=5.0)
+    if settings.http_listen != "off":
+        settings = settings.replace(http_listen=check_address_free(settings.http_listen, wait_s=5.0))
     loop = asyncio.get_running_loop()
-    tmpdir = None
+    tmpdir = tempfile.mkdtemp(prefix="pagewire-core-")
     if core_listen is None:
-        tmpdir = tempfile.mkdtemp(prefix="pagewire-core-")
         core_listen = f"unix:{tmpdir}/core.sock"
+    if not metrics_multiprocess_dir():
+        # the API servers write their request metrics here, so any of them reports all of them
+        os.mkdir(f"{tmpdir}/metrics")
+        os.environ[MULTIPROC_ENV] = f"{tmpdir}/metrics"
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -123,8 +135,8 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
             gc.collect()
             gc.freeze()  # what exists now lives as long as the process: keep it out of full collections
             info = core.worker_info
-            print(f"pagewire scheduler ready on {listen} with {settings.api_servers} API server(s), "
-                  f"worker {worker_address}: {info.model_name}", flush=True)
+            print(f"pagewire scheduler ready on {listen}{http_url(settings)} with {settings.api_servers} API "
+                  f"server(s), worker {worker_address}: {info.model_name}", flush=True)
         await stop.wait()
         print("pagewire: shutting down: no new requests, letting running ones finish...", flush=True)
         # the API servers drain: they refuse new calls and wait for theirs, which the core keeps stepping
@@ -138,8 +150,7 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
         watcher.cancel()
         await server.stop(grace=1.0)
         await core.stop()
-        if tmpdir:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        shutil.rmtree(tmpdir, ignore_errors=True)
     return 1 if failed else 0
 
 
@@ -160,9 +171,17 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         if health_holder and not api.draining:
             loop.create_task(_set())
 
-    api = ApiServer(core_address, settings.stream_interval, on_health=on_health)
+    api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics())
     server, port, servicer, health_servicer = await build_server(api, listen, reuse_port)
     health_holder.append(health_servicer)
+    http_runner = None
+    if settings.http_listen != "off":
+        try:
+            http_runner, http_port = await start_http(api, settings.http_listen, reuse_port)
+        except OSError:
+            await server.stop(grace=None)
+            raise
+        settings = settings.replace(http_listen=f"{settings.http_listen.rpartition(':')[0]}:{http_port}")
     api.start()
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -175,7 +194,8 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     if not stop.is_set():
         gc.collect()
         gc.freeze()
-        print(f"pagewire api-server ready on {listen} (pid {os.getpid()}), scheduler {core_address}", flush=True)
+        print(f"pagewire api-server ready on {listen}{http_url(settings)} (pid {os.getpid()}), "
+              f"scheduler {core_address}", flush=True)
     await stop.wait()
     api.draining = True
     await health_servicer.enter_graceful_shutdown()
@@ -184,6 +204,8 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         await asyncio.sleep(0.05)
     if api.pending:
         log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
+    if http_runner is not None:
+        await http_runner.cleanup()
     await server.stop(grace=1.0)
     await api.stop()
     return 0

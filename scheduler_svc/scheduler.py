@@ -43,6 +43,9 @@ class Scheduler:
         # sequences the worker holds state for that must be dropped in the next plan
         self._dropped_seq_ids: list[int] = []
         self.num_preemptions = 0
+        # prompt tokens looked up in the prefix cache when first admitted, and those found there
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
         self._caching = allocator.enable_prefix_caching
         self._block_size = allocator.block_size
 
@@ -197,6 +200,9 @@ class Scheduler:
             seq.num_slot_tokens = len(seq.token_ids)
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
+                if self._caching:
+                    self.num_prefix_queried_tokens += seq.num_prompt_tokens
+                    self.num_prefix_hit_tokens += seq.num_cached_prompt_tokens
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_left)
             prefill_left -= num_new
             plan.block_copies.extend(allocation.copies)

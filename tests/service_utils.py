@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,8 @@ class Proc:
     """A pagewire subcommand running in its own process group, with its output in a log file."""
 
     def __init__(self, argv: list[str], log_path: Path):
+        if argv[0] in ("serve", "scheduler", "api-server") and "--http-listen" not in argv:
+            argv = [*argv, "--http-listen", "127.0.0.1:0"]  # a free port, never the shared default
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")
@@ -40,6 +43,12 @@ class Proc:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def http_url(self) -> str:
+        """The OpenAI door's base URL, as the ready line reports it."""
+        match = re.search(r"OpenAI HTTP on (http://[\w.\-\[\]:]+)", self.output())
+        assert match, f"no HTTP address in the output of {self.argv[0]}:\n{self.output()}"
+        return match.group(1)
 
     def wait_for_output(self, text: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

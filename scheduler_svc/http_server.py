@@ -1,0 +1,325 @@
+"""The OpenAI-compatible HTTP door of an API server (aiohttp, on the server's own event loop).
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or not),
+``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics``.
+Every request goes through ``open_request``, as gRPC's do: one place says what is valid, and a
+refusal carries a gRPC status that maps to the HTTP one (400, 429, 503...). Streamed responses
+send their headers once the first tokens (or the refusal) are known, so a full queue is a 429,
+not an error inside a 200 stream. A client that disconnects cancels its handler, which aborts its
+requests in the core.
+
+aiohttp was chosen by measurement: it spends about half the server CPU per streamed chunk of
+Starlette on uvicorn (``benchmarks/http_sse_cost.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+from aiohttp import web
+
+from scheduler_svc import metrics as metrics_mod
+from scheduler_svc.api_request import ApiRequest, RequestError, open_request
+from scheduler_svc.engine import RequestOutput
+from scheduler_svc.openai_protocol import (
+    LogprobsBuilder, OpenAIError, ParsedRequest, bad, merge_logprobs, parse, parse_messages, usage_dict,
+)
+
+log = logging.getLogger("pagewire.http")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def error_response(err: OpenAIError) -> web.Response:
+    return web.Response(status=err.status, body=_dumps(err.body()), content_type="application/json")
+
+
+class OpenAIDoor:
+    """The HTTP routes of one API server."""
+
+    def __init__(self, api):
+        self.api = api
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except OpenAIError as e:
+            return error_response(e)
+        except web.HTTPException as e:  # unknown route, wrong method: the OpenAI error shape too
+            if e.status < 400:
+                raise
+            return error_response(OpenAIError(e.status, e.reason, "invalid_request_error"))
+
+    # ---- small endpoints -----------------------------------------------------------------------
+
+    def _model(self):
+        model = self.api.model
+        if model is None or not self.api.is_serving:
+            raise OpenAIError(503, "the worker is not connected" if self.api.core_connected
+                              else "the scheduler core is not connected", "service_unavailable_error")
+        return model
+
+    async def models(self, request: web.Request) -> web.Response:
+        info = self._model().info
+        return web.json_response({"object": "list", "data": [{
+            "id": info.model_name, "object": "model", "created": 0, "owned_by": "pagewire",
+            "root": info.model_name, "max_model_len": info.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.api.is_serving:
+            return web.Response(status=200)
+        self._model()  # raises the 503 that says which link is down
+        return web.Response(status=503)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        model = self._model()
+        if model.offloaded is None:
+            raise bad("this model has no tokenizer")
+        try:
+            if "messages" in body:
+                _, ids = await model.offloaded.encode_chat(parse_messages(body["messages"]))
+            elif isinstance(body.get("prompt"), str):
+                ids = await model.offloaded.encode(body["prompt"])
+            else:
+                raise bad("give prompt (a string) or messages", "prompt")
+        except ValueError as e:
+            raise bad(str(e)) from None
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": model.info.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        model = self._model()
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad("tokens must be a list of token ids", "tokens")
+        vocab = model.info.vocab_size
+        outside = next((t for t in ids if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise bad(f"token id {outside} is outside the vocabulary [0, {vocab})", "tokens")
+        if model.tokenizer is None:
+            raise bad("this model has no tokenizer")
+        return web.json_response({"prompt": model.tokenizer.decode(ids)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        api = self.api
+        try:
+            stats = await api.stats()
+        except Exception as e:  # the core is away: serve the request figures anyway
+            log.debug("metrics without the core's figures: %s", e)
+            stats = None
+        name = api.model.info.model_name if api.model is not None else ""
+        body = await asyncio.get_running_loop().run_in_executor(None, metrics_mod.exposition, api.metrics, stats, name)
+        return web.Response(body=body, headers={"Content-Type": metrics_mod.CONTENT_TYPE})
+
+    # ---- completions ---------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        api = self.api
+        try:
+            parsed = parse(await _json(request), chat=chat)
+        except OpenAIError:
+            api.reject()
+            raise
+        reqs: list[ApiRequest] = []
+        try:
+            for kw in parsed.prompts:
+                reqs.append(await open_request(api, sampling=parsed.sampling, sampling_error=parsed.sampling_error,
+                                               model_name=parsed.model, fill_max_tokens=parsed.fill_max_tokens, **kw))
+            answer = _Answer(parsed, reqs, api.model)
+            if parsed.stream:
+                return await answer.stream(request)
+            return await answer.whole()
+        except RequestError as e:
+            raise OpenAIError.from_grpc(e.code, e.message) from None
+        finally:
+            for r in reqs:
+                r.close()  # aborts what did not finish (client gone, error)
+
+
+async def _json(request: web.Request):
+    try:
+        return await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+
+
+class _Answer:
+    """The response to one completions request: its choices are its prompts' samples."""
+
+    def __init__(self, parsed: ParsedRequest, reqs: list[ApiRequest], model):
+        self.parsed = parsed
+        self.reqs = reqs
+        self.model_name = model.info.model_name
+        self.tokenizer = model.tokenizer
+        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
+        self.object = "chat.completion" if parsed.chat else "text_completion"
+        self.logprobs: dict[int, LogprobsBuilder] = {}
+        self.usage = [0, 0, 0]
+
+    def _index(self, i: int, out: RequestOutput) -> int:
+        return i * self.parsed.n + getattr(out, "index", 0)
+
+    def _count(self, out: RequestOutput) -> None:
+        if out.usage is not None:
+            u = out.usage
+            self.usage[1] += u.completion_tokens
+            if not getattr(out, "index", 0):  # the samples of one prompt share it
+                self.usage[0] += u.prompt_tokens
+                self.usage[2] += u.cached_prompt_tokens
+
+    def _lp(self, index: int, out: RequestOutput) -> dict | None:
+        if self.parsed.num_top_logprobs is None:
+            return None
+        builder = self.logprobs.get(index)
+        if builder is None:
+            builder = self.logprobs[index] = LogprobsBuilder(self.parsed.chat, self.tokenizer)
+        return builder.part(out)
+
+    async def _merged(self):
+        """(request index, deltas) as they come, from every prompt's request."""
+        if len(self.reqs) == 1:
+            async for items in self.reqs[0]:
+                yield 0, items
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, req: ApiRequest):
+            try:
+                async for items in req:
+                    await queue.put((i, items))
+                await queue.put((i, None))
+            except RequestError as e:
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.reqs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, items = await queue.get()
+                if items is None:
+                    left -= 1
+                elif isinstance(items, RequestError):
+                    raise items
+                else:
+                    yield i, items
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def whole(self) -> web.Response:
+        texts: dict[int, list[str]] = {}
+        lps: dict[int, list[dict]] = {}
+        reasons: dict[int, str] = {}
+        async for i, items in self._merged():
+            for out in items:
+                index = self._index(i, out)
+                texts.setdefault(index, []).append(out.text)
+                lp = self._lp(index, out)
+                if lp is not None:
+                    lps.setdefault(index, []).append(lp)
+                if out.finish_reason is not None:
+                    reasons[index] = out.finish_reason.value
+                self._count(out)
+        choices = []
+        for index in sorted(texts):
+            text = "".join(texts[index])
+            lp = merge_logprobs(lps[index], self.parsed.chat) if index in lps else None
+            if self.parsed.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": reasons.get(index)})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reasons.get(index)})
+        body = {"id": self.id, "object": self.object, "created": self.parsed.created, "model": self.model_name,
+                "choices": choices, "usage": usage_dict(*self.usage)}
+        return web.Response(body=_dumps(body), content_type="application/json")
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        chat = self.parsed.chat
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": self.id, "object": obj, "created": self.parsed.created, "model": self.model_name}
+        if self.parsed.include_usage:
+            head["usage"] = None
+        gen = self._merged()
+        first = await anext(gen, None)  # a refusal before any token is an HTTP status, not a stream
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        started: set[int] = set()
+        try:
+            pending = [first] if first is not None else []
+            while True:
+                for i, items in pending:
+                    chunks = []
+                    for out in items:
+                        index = self._index(i, out)
+                        if chat and index not in started:
+                            started.add(index)
+                            chunks.append(self._chunk(head, {"index": index, "delta": {"role": "assistant", "content": ""},
+                                                             "logprobs": None, "finish_reason": None}))
+                        reason = out.finish_reason.value if out.finish_reason is not None else None
+                        lp = self._lp(index, out)
+                        if chat:
+                            choice = {"index": index, "delta": {"content": out.text} if out.text or not reason else {},
+                                      "logprobs": lp, "finish_reason": reason}
+                        else:
+                            choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
+                        chunks.append(self._chunk(head, choice))
+                        self._count(out)
+                    await resp.write(b"".join(chunks))
+                nxt = await anext(gen, None)
+                if nxt is None:
+                    break
+                pending = [nxt]
+            if self.parsed.include_usage:
+                await resp.write(self._chunk({**head, "usage": usage_dict(*self.usage)}, None))
+        except RequestError as e:  # failed after the headers went out: an error event ends the stream
+            await resp.write(b"data: " + _dumps(OpenAIError.from_grpc(e.code, e.message).body()) + b"\n\n")
+        await resp.write(_DONE)
+        await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _chunk(head: dict, choice: dict | None) -> bytes:
+        body = dict(head)
+        body["choices"] = [] if choice is None else [choice]
+        return b"data: " + _dumps(body) + b"\n\n"
+
+
+async def start_http(api, listen: str, reuse_port: bool) -> tuple[web.AppRunner, int]:
+    """Serve the OpenAI door on ``listen`` (host:port); returns the runner and the bound port."""
+    host, _, port = listen.rpartition(":")
+    runner = web.AppRunner(OpenAIDoor(api).app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), reuse_port=reuse_port or None)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {listen} (HTTP): {e.strerror}") from None
+    return runner, runner.addresses[0][1]

@@ -1,0 +1,158 @@
+"""Prometheus metrics, served at ``GET /metrics`` by every API server.
+
+Two sources, one exposition:
+- **per request**, recorded by the API server that streams it (either door): time to first token,
+  inter-token latency, end-to-end latency, time in the queue (histograms); prompt and generation
+  tokens and finished requests by reason (counters). With several API servers the scheduler gives
+  them one ``PROMETHEUS_MULTIPROC_DIR``, so whichever server a scrape reaches reports the sum of
+  all of them (prometheus_client's multiprocess mode).
+- **the core's figures**, read from ``CoreStats`` at each scrape: requests running and waiting,
+  KV cache usage (gauges), preemptions and prefix-cache lookups (counters, cumulative since the core
+  started).
+
+The names follow vLLM's (``pagewire:`` instead of ``vllm:``, the same ``model_name`` label), so
+dashboards built for it carry over.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagewire_common.v1 import generation_pb2 as pb
+
+PREFIX = "pagewire:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client itself when it is imported
+
+# bucket bounds as vLLM's, with finer low ones for fast accelerators
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+class RequestMetrics:
+    """The per-request families of one API-server process, in a registry of its own (in
+    multiprocess mode the values also go to this process's files in the shared folder)."""
+
+    def __init__(self, model_name: str = ""):
+        self.model_name = model_name
+        self.registry = registry = CollectorRegistry()
+        kw = dict(labelnames=("model_name",), registry=registry)
+        self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from a request's arrival at the "
+                               "API server to its first token.", buckets=TTFT_BUCKETS, **kw)
+        self._itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two tokens of a request "
+                              "(tokens that arrive together share the time since the previous delta).",
+                              buckets=ITL_BUCKETS, **kw)
+        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from a request's arrival to its "
+                              "last token.", buckets=LATENCY_BUCKETS, **kw)
+        self._queue = Histogram(PREFIX + "request_queue_time_seconds", "Time from a request's arrival to its "
+                                "first scheduling by the core.", buckets=LATENCY_BUCKETS, **kw)
+        self._prompt = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests scheduled.", **kw)
+        self._generation = Counter(PREFIX + "generation_tokens", "Tokens generated and streamed.", **kw)
+        labels = ("model_name", "finished_reason")
+        self._success = Counter(PREFIX + "request_success", "Requests finished, by reason (stop, length, abort).",
+                                labelnames=labels, registry=registry)
+        self._bind()
+
+    def _bind(self) -> None:
+        name = self.model_name
+        self.ttft = self._ttft.labels(name)
+        self.itl = self._itl.labels(name)
+        self.e2e = self._e2e.labels(name)
+        self.queue = self._queue.labels(name)
+        self.prompt = self._prompt.labels(name)
+        self.generation = self._generation.labels(name)
+
+    def set_model_name(self, name: str) -> None:
+        if name != self.model_name:
+            self.model_name = name
+            self._bind()
+
+    # ---- called by ApiRequest ------------------------------------------------------------------
+
+    def queue_time(self, seconds: float, num_prompt_tokens: int) -> None:
+        self.queue.observe(seconds)
+        self.prompt.inc(num_prompt_tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def tokens(self, n: int, seconds_since_last: float | None) -> None:
+        """``n`` tokens arrived together; the first delta has no previous one."""
+        self.generation.inc(n)
+        if seconds_since_last is not None:
+            each = seconds_since_last / n
+            for _ in range(n):
+                self.itl.observe(each)
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        self._success.labels(self.model_name, reason).inc()
+
+
+class CoreFigures:
+    """A collector for one scrape: the core's gauges and counters from one ``Stats``."""
+
+    def __init__(self, stats: pb.Stats, model_name: str):
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self):
+        s, labels = self.stats, [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        used = s.num_total_blocks - s.num_free_blocks
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full); cached blocks that no "
+                    "request holds count as free.", used / s.num_total_blocks if s.num_total_blocks else 0.0)
+        yield counter("num_preemptions", "Requests preempted (their blocks freed, recomputed later).",
+                      s.num_preemptions)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.num_prefix_cache_queried_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.num_prefix_cache_hit_tokens)
+
+
+def exposition(metrics: RequestMetrics, stats: pb.Stats | None, model_name: str) -> bytes:
+    """The text for one scrape: the request figures of every API server sharing the multiprocess
+    folder (else this one's) and, when the core answered, the core's."""
+    scrape = CollectorRegistry()
+    if multiprocess_dir():
+        from prometheus_client import multiprocess
+
+        multiprocess.MultiProcessCollector(scrape)
+    else:
+        scrape.register(_Forward(metrics.registry))
+    if stats is not None:
+        scrape.register(CoreFigures(stats, model_name))
+    return generate_latest(scrape)
+
+
+class _Forward:
+    """A registry's families, as a collector of another registry."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        return self.registry.collect()

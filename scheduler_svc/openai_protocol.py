@@ -1,0 +1,296 @@
+"""The OpenAI API's JSON shapes: request bodies to our requests, our deltas to its responses.
+
+Parsing only checks what JSON can get wrong (types, shapes, fields we do not serve); what a
+valid prompt and valid sampling parameters are is said once, by ``open_request`` and
+``SamplingParams.validate``, for both doors. Fields we do not know are ignored, as OpenAI-compatible
+servers do; a known field we cannot honour is an error rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagewire_common.sampling import SamplingParams
+from scheduler_svc.engine import RequestOutput
+
+MAX_TOP_LOGPROBS = 20
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+# gRPC status of a refused or failed request -> HTTP status and OpenAI error type
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    @classmethod
+    def from_grpc(cls, code: grpc.StatusCode, message: str) -> "OpenAIError":
+        status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
+        return cls(status, message, kind, code=code.name.lower())
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+@dataclass
+class ParsedRequest:
+    """One OpenAI request: the prompts it holds (each a keyword set for ``open_request``), the
+    sampling parameters (or why they are invalid) and how to answer."""
+
+    chat: bool
+    model: str
+    prompts: list[dict]
+    sampling: SamplingParams | None
+    sampling_error: str | None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    num_top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
+    fill_max_tokens: bool = False  # chat without max_tokens: up to the model length
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _get(body: dict, name: str, types, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad(f"{name} must be {_type_names(types)}, got a boolean", name)
+    if not isinstance(value, types):
+        raise bad(f"{name} must be {_type_names(types)}, got {type(value).__name__}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad(f"{name} must be a finite number", name)
+    return value
+
+
+def _type_names(types) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "a list", dict: "an object"}
+    types = types if isinstance(types, tuple) else (types,)
+    if types == (int, float):
+        return "a number"
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _int_list(value, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise bad(f"{name} must be a list of integers", name)
+    return value
+
+
+def parse_messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompts(value) -> list[dict]:
+    """``prompt``: a string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(value, str):
+        return [{"prompt": value}]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return [{"prompt": p} for p in value]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return [{"prompt_token_ids": value}]
+        if all(isinstance(p, list) for p in value):
+            return [{"prompt_token_ids": _int_list(p, "prompt")} for p in value]
+    raise bad("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt")
+
+
+def parse(body, *, chat: bool) -> ParsedRequest:
+    """An OpenAI completions or chat-completions body -> ``ParsedRequest`` (``OpenAIError`` 400)."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = _get(body, "model", str, "")
+    if chat:
+        if "messages" not in body:
+            raise bad("messages is required", "messages")
+        prompts = [{"messages": parse_messages(body["messages"])}]
+    else:
+        if "prompt" not in body:
+            raise bad("prompt is required", "prompt")
+        prompts = _prompts(body["prompt"])
+    for name in ("echo",):
+        if _get(body, name, bool, False):
+            raise bad(f"{name} is not supported", name)
+    if _get(body, "best_of", int, 1) not in (1, _get(body, "n", int, 1)):
+        raise bad("best_of other than n is not supported", "best_of")
+    if _get(body, "suffix", str, None):
+        raise bad("suffix is not supported", "suffix")
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict, {})
+    include_usage = bool(stream and _get(options, "include_usage", bool, False))
+    n = _get(body, "n", int, 1)
+    if n < 1:
+        raise bad(f"n must be >= 1, got {n}", "n")
+
+    kw: dict = {}
+    unsupported: list[str] = []
+
+    def put(name: str, value, off) -> None:
+        if name in _SAMPLING_FIELDS:
+            kw[name] = value
+        elif value != off:
+            unsupported.append(name)
+
+    num = (int, float)
+    put("temperature", float(_get(body, "temperature", num, 1.0)), None)
+    if "top_p" in body and body["top_p"] is not None:
+        put("top_p", float(_get(body, "top_p", num)), None)
+    top_k = _get(body, "top_k", int, 0)
+    put("top_k", 0 if top_k == -1 else top_k, 0)  # -1 is "off" for vLLM's clients
+    seed = _get(body, "seed", int, None)
+    if seed is not None:
+        put("seed", seed, None)
+    max_tokens = _get(body, "max_completion_tokens", int, None) if chat else None
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, None)
+    fill = False
+    if max_tokens is None:
+        if chat:
+            fill, max_tokens = True, 1  # replaced by what the model length leaves once the prompt is known
+        else:
+            max_tokens = 16  # OpenAI's default for completions
+    put("max_tokens", max_tokens, None)
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad("stop must be a string or a list of strings", "stop")
+        put("stop", tuple(stop), ())
+    if body.get("stop_token_ids") is not None:
+        put("stop_token_ids", tuple(_int_list(body["stop_token_ids"], "stop_token_ids")), ())
+    put("ignore_eos", _get(body, "ignore_eos", bool, False), False)
+    for name in ("min_p", "presence_penalty", "frequency_penalty"):
+        put(name, float(_get(body, name, num, 0.0)), 0.0)
+    put("repetition_penalty", float(_get(body, "repetition_penalty", num, 1.0)), 1.0)
+    put("min_tokens", _get(body, "min_tokens", int, 0), 0)
+    bias = _get(body, "logit_bias", dict, {})
+    if bias:
+        try:
+            bias = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise bad("logit_bias must map token ids to numbers", "logit_bias") from None
+        put("logit_bias", bias, {})
+    if n != 1:
+        put("n", n, 1)
+
+    # logprobs: chat asks with a flag and top_logprobs; completions with the number of top tokens
+    if chat:
+        want = _get(body, "logprobs", bool, False)
+        top = _get(body, "top_logprobs", int, 0)
+        if top and not want:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        num_top = top if want else None
+    else:
+        lp = _get(body, "logprobs", int, None)
+        num_top = lp
+    if num_top is not None:
+        if not 0 <= num_top <= MAX_TOP_LOGPROBS:
+            raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {num_top}",
+                      "top_logprobs" if chat else "logprobs")
+        put("logprobs", True, False)
+        if num_top:
+            put("top_logprobs", num_top, 0)
+
+    if unsupported:
+        return ParsedRequest(chat, model, prompts, None, f"{', '.join(unsupported)}: not supported by this server",
+                             n, stream, include_usage, num_top, fill)
+    try:
+        sampling, error = SamplingParams(**kw), None
+    except (ValueError, TypeError) as e:
+        sampling, error = None, str(e)
+    return ParsedRequest(chat, model, prompts, sampling, error, n, stream, include_usage, num_top, fill)
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token as OpenAI shows it in logprobs: its text and its UTF-8 bytes."""
+    if tokenizer is None:
+        return f"token_id:{token_id}", []
+    table = tokenizer.token_bytes
+    raw = table[token_id] if table is not None and token_id < len(table) else tokenizer.decode([token_id]).encode()
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+class LogprobsBuilder:
+    """Accumulates one choice's logprobs in the chat or the completions shape."""
+
+    def __init__(self, chat: bool, tokenizer):
+        self.chat = chat
+        self.tokenizer = tokenizer
+        self.offset = 0
+
+    def part(self, out: RequestOutput) -> dict:
+        tops = getattr(out, "top_logprobs", None) or [None] * len(out.token_ids)
+        lps = out.logprobs or [float("nan")] * len(out.token_ids)
+        entries = []
+        for token_id, lp, top in zip(out.token_ids, lps, tops):
+            text, raw = token_text(self.tokenizer, token_id)
+            alts = [] if top is None else [(token_text(self.tokenizer, t), v) for t, v in zip(*top)]
+            entries.append((text, raw, lp, alts))
+        if self.chat:
+            return {"content": [{"token": t, "logprob": lp, "bytes": raw,
+                                 "top_logprobs": [{"token": a, "logprob": v, "bytes": ab} for (a, ab), v in alts]}
+                                for t, raw, lp, alts in entries]}
+        offsets = []
+        for t, *_ in entries:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[2] for e in entries],
+                "top_logprobs": [{a: v for (a, _), v in e[3]} or None for e in entries], "text_offset": offsets}
+
+
+def merge_logprobs(parts: list[dict], chat: bool) -> dict:
+    if chat:
+        return {"content": [c for p in parts for c in p["content"]]}
+    return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP door and /metrics, driven by the official ``openai`` client, against
+a worker, a scheduler core and two API servers running as separate processes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagewire_common.v1 import generation_pb2 as pb
+from tests.service_utils import sampling, start_scheduler, start_worker, stub, wait_until
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["the quick brown fox", "hello world, this is", "once upon a time in", "numbers: 1 2 3"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("http")
+    worker, worker_addr = start_worker(model_dir, tmp, extra=["--block-size", "4", "--num-kv-blocks", "400"])
+    sched, addr = start_scheduler(worker_addr, tmp, extra=["--api-servers", "2", "--max-num-batched-tokens", "64",
+                                                           "--max-num-seqs", "8", "--max-queued-requests", "4"])
+    url = sched.http_url()
+    model = stub(addr).GetModelInfo(pb.ModelInfoRequest()).model_name
+    yield addr, url, model
+    sched.stop()
+    worker.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def grpc_text(addr: str, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+    responses = list(stub(addr).Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling(max_tokens=max_tokens))))
+    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids]
+
+
+def http_json(url: str, path: str, body=None, method: str | None = None) -> tuple[int, dict | str]:
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read().decode(), e.code
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+def assert_all_blocks_free(addr):
+    def done():
+        s = stub(addr).GetStats(pb.StatsRequest())
+        return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks and s
+
+    return wait_until(done, timeout=10)
+
+
+def test_completions_text_equals_grpc_streamed_and_not(stack):
+    addr, url, model = stack
+    c = client(url)
+    for prompt in PROMPTS:
+        expected, ids = grpc_text(addr, prompt, 12)
+        whole = c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        assert whole.choices[0].text == expected
+        assert whole.object == "text_completion" and whole.model == model
+        assert whole.choices[0].finish_reason in ("stop", "length")
+        assert whole.usage.completion_tokens == len(ids)
+        assert whole.usage.total_tokens == whole.usage.prompt_tokens + len(ids)
+        chunks = list(c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert_all_blocks_free(addr)
+
+
+def test_chat_completions_text_equals_grpc_chat(stack):
+    addr, url, model = stack
+    c = client(url)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say something"}]
+    responses = list(stub(addr).Chat(pb.ChatRequest(
+        messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+        sampling=sampling(max_tokens=10))))
+    expected = "".join(r.text for r in responses)
+    whole = c.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.prompt_tokens == responses[-1].usage.prompt_tokens
+    chunks = list(c.chat.completions.create(model=model, messages=messages, max_completion_tokens=10, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_token_ids_and_prompt_lists_are_choices(stack):
+    addr, url, model = stack
+    c = client(url)
+    expected = [grpc_text(addr, p, 6)[0] for p in PROMPTS[:3]]
+    out = c.completions.create(model=model, prompt=PROMPTS[:3], max_tokens=6, temperature=0)
+    assert [ch.index for ch in out.choices] == [0, 1, 2]
+    assert [ch.text for ch in out.choices] == expected
+    streamed: dict[int, str] = {}
+    for ch in c.completions.create(model=model, prompt=PROMPTS[:3], max_tokens=6, temperature=0, stream=True):
+        for choice in ch.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == expected
+    _, ids = grpc_text(addr, PROMPTS[0], 6)
+    prompt_ids = list(stub(addr).Generate(pb.GenerateRequest(prompt=PROMPTS[0], sampling=sampling(max_tokens=1))))
+    n_prompt = prompt_ids[-1].usage.prompt_tokens
+    status, tok = http_json(url, "/tokenize", {"prompt": PROMPTS[0]})
+    assert status == 200 and tok["count"] == n_prompt == len(tok["tokens"])
+    by_ids = c.completions.create(model=model, prompt=tok["tokens"], max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == expected[0]
+    status, detok = http_json(url, "/detokenize", {"tokens": tok["tokens"]})
+    assert status == 200 and detok["prompt"] == PROMPTS[0]
+
+
+def test_logprobs_match_grpc(stack):
+    addr, url, model = stack
+    responses = list(stub(addr).Generate(pb.GenerateRequest(prompt=PROMPTS[1], sampling=sampling(max_tokens=5, logprobs=True))))
+    expected = [lp for r in responses for lp in r.logprobs]
+    out = client(url).chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                              temperature=0, logprobs=True)
+    assert len(out.choices[0].logprobs.content) == out.usage.completion_tokens
+    assert all(e.logprob <= 0 for e in out.choices[0].logprobs.content)
+    legacy = client(url).completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0, logprobs=0)
+    assert legacy.choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-5)
+    assert "".join(legacy.choices[0].logprobs.tokens) == legacy.choices[0].text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 0}, None),
+    ({"prompt": "x", "temperature": -1}, None),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, None),
+    ({"prompt": "x", "max_tokens": 100000}, None),
+    ({"prompt": [1, 2, 10**7]}, None),
+    ({"prompt": "x", "model": "not-this-one"}, None),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({}, "prompt"),
+])
+def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):
+    addr, url, model = stack
+    before = stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected
+    status, answer = http_json(url, "/v1/completions", {"model": model, **body})
+    assert status == 400, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
+    assert answer["error"]["type"] == "invalid_request_error"
+    if param:
+        assert answer["error"]["param"] == param
+    assert stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected == before + 1
+    if "prompt" in body:  # the SDK itself insists on a prompt
+        with pytest.raises(openai.BadRequestError):
+            client(url).completions.create(**{"model": model, **body})
+
+
+def test_bad_json_unknown_route_and_unknown_fields(stack):
+    addr, url, model = stack
+    status, answer = http_json(url, "/v1/completions", b"{not json")
+    assert status == 400 and "JSON" in answer["error"]["message"]
+    status, answer = http_json(url, "/v1/nothing-here")
+    assert status == 404 and "error" in answer
+    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
+                                                              "max_tokens": 3, "some_future_field": {"a": 1}, "user": "u1"})
+    assert status == 200 and answer["choices"][0]["message"]["content"] is not None
+
+
+def test_models_and_health(stack):
+    addr, url, model = stack
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [model]
+    assert http_json(url, "/health")[0] == 200
+
+
+def test_full_queue_is_429(stack):
+    addr, url, model = stack
+    # 8 running + 4 waiting fill the core; more requests at once are refused with 429
+    results: list[int] = []
+
+    def one():
+        status, _ = http_json(url, "/v1/completions", {"model": model, "prompt": PROMPTS[2], "max_tokens": 40,
+                                                       "ignore_eos": True, "temperature": 0})
+        results.append(status)
+
+    threads = [threading.Thread(target=one) for _ in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 429 in results and 200 in results and set(results) <= {200, 429}, results
+    with pytest.raises(openai.RateLimitError):
+        c = client(url)
+        threads = [threading.Thread(target=one) for _ in range(16)]
+        for t in threads:
+            t.start()
+        try:
+            c.completions.create(model=model, prompt=PROMPTS[2], max_tokens=40, extra_body={"ignore_eos": True})
+        finally:
+            for t in threads:
+                t.join()
+    assert_all_blocks_free(addr)
+
+
+def test_client_disconnect_frees_blocks(stack):
+    addr, url, model = stack
+    c = client(url)
+    stream = c.completions.create(model=model, prompt=PROMPTS[3], max_tokens=200, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices[0].text is not None
+    assert stub(addr).GetStats(pb.StatsRequest()).num_running == 1
+    stream.close()  # the connection goes away mid-stream
+    assert_all_blocks_free(addr)
+    aborted = stub(addr).GetStats(pb.StatsRequest()).num_requests_aborted
+    assert aborted >= 1
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            values[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
+    return values
+
+
+def test_metrics_count_known_requests_across_two_api_servers(stack):
+    addr, url, model = stack
+    time.sleep(0.3)  # let requests of earlier tests settle their counters
+    before = _scrape(url)
+    c = client(url)
+    sent_prompt = sent_completion = 0
+    for i in range(6):  # new connections: the kernel spreads them over both API servers
+        cli = client(url)
+        out = cli.completions.create(model=model, prompt=f"{PROMPTS[i % 4]} {i}", max_tokens=5 + i, temperature=0,
+                                     extra_body={"ignore_eos": True})
+        sent_prompt += out.usage.prompt_tokens
+        sent_completion += out.usage.completion_tokens
+        assert out.usage.completion_tokens == 5 + i
+    # one over gRPC counts too
+    responses = list(stub(addr).Generate(pb.GenerateRequest(prompt="metrics over grpc", sampling=sampling(max_tokens=4, ignore_eos=True))))
+    sent_prompt += responses[-1].usage.prompt_tokens
+    sent_completion += 4
+    del c
+
+    def moved():
+        after = _scrape(url)
+        return after if after[("pagewire:generation_tokens_total", ())] - before.get(("pagewire:generation_tokens_total", ()), 0) == sent_completion else None
+
+    after = wait_until(moved, timeout=5)
+    # scrapes on new connections reach either API server: each reports the same totals
+    key = ("pagewire:generation_tokens_total", ())
+    assert {_scrape(url)[key] for _ in range(8)} == {after[key]}
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    assert delta[("pagewire:prompt_tokens_total", ())] == sent_prompt
+    assert delta[("pagewire:request_success_total", (("finished_reason", "length"),))] == 7
+    assert delta[("pagewire:time_to_first_token_seconds_count", ())] == 7
+    assert delta[("pagewire:e2e_request_latency_seconds_count", ())] == 7
+    assert delta[("pagewire:request_queue_time_seconds_count", ())] == 7
+    assert delta[("pagewire:inter_token_latency_seconds_count", ())] == sent_completion - 7
+    stats = stub(addr).GetStats(pb.StatsRequest())
+    assert after[("pagewire:num_requests_running", ())] == 0
+    assert after[("pagewire:num_preemptions_total", ())] == stats.num_preemptions
+    assert after[("pagewire:prefix_cache_queries_total", ())] == stats.num_prefix_cache_queried_tokens > 0
+    assert after[("pagewire:prefix_cache_hits_total", ())] == stats.num_prefix_cache_hit_tokens
+    assert 0 <= after[("pagewire:kv_cache_usage_perc", ())] <= 1
+
+
+def test_grpc_errors_still_grpc(stack):
+    addr, url, model = stack
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub(addr).Generate(pb.GenerateRequest(prompt="x", sampling=sampling(max_tokens=10**6))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
