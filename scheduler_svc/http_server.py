@@ -234,12 +234,14 @@ class _Answer:
 
     async def whole(self) -> web.Response:
         texts: dict[int, list[str]] = {}
+        ids: dict[int, list[int]] = {}
         lps: dict[int, list[dict]] = {}
         reasons: dict[int, str] = {}
         async for i, items in self._merged():
             for out in items:
                 index = self._index(i, out)
                 texts.setdefault(index, []).append(out.text)
+                ids.setdefault(index, []).extend(out.token_ids)
                 lp = self._lp(index, out)
                 if lp is not None:
                     lps.setdefault(index, []).append(lp)
@@ -255,6 +257,8 @@ class _Answer:
                                 "logprobs": lp, "finish_reason": reasons.get(index)})
             else:
                 choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reasons.get(index)})
+            if self.parsed.return_token_ids:
+                choices[-1]["token_ids"] = ids[index]
         body = {"id": self.id, "object": self.object, "created": self.parsed.created, "model": self.model_name,
                 "choices": choices, "usage": usage_dict(*self.usage)}
         return web.Response(body=_dumps(body), content_type="application/json")
@@ -288,6 +292,8 @@ class _Answer:
                                       "logprobs": lp, "finish_reason": reason}
                         else:
                             choice = {"index": index, "text": out.text, "logprobs": lp, "finish_reason": reason}
+                        if self.parsed.return_token_ids:
+                            choice["token_ids"] = out.token_ids
                         chunks.append(self._chunk(head, choice))
                         self._count(out)
                     await resp.write(b"".join(chunks))

@@ -70,6 +70,7 @@ class ParsedRequest:
     include_usage: bool = False
     num_top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
     fill_max_tokens: bool = False  # chat without max_tokens: up to the model length
+    return_token_ids: bool = False  # each choice also carries its token ids (as vLLM's extra field)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -234,14 +235,15 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         if num_top:
             put("top_logprobs", num_top, 0)
 
+    return_ids = _get(body, "return_token_ids", bool, False)
     if unsupported:
-        return ParsedRequest(chat, model, prompts, None, f"{', '.join(unsupported)}: not supported by this server",
-                             n, stream, include_usage, num_top, fill)
-    try:
-        sampling, error = SamplingParams(**kw), None
-    except (ValueError, TypeError) as e:
-        sampling, error = None, str(e)
-    return ParsedRequest(chat, model, prompts, sampling, error, n, stream, include_usage, num_top, fill)
+        sampling, error = None, f"{', '.join(unsupported)}: not supported by this server"
+    else:
+        try:
+            sampling, error = SamplingParams(**kw), None
+        except (ValueError, TypeError) as e:
+            sampling, error = None, str(e)
+    return ParsedRequest(chat, model, prompts, sampling, error, n, stream, include_usage, num_top, fill, return_ids)
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -131,6 +131,29 @@ def test_null_worker_counts_tokens(tmp_path):
     assert "null worker" in proc.stdout
 
 
+@pytest.mark.slow
+def test_both_doors_side_by_side(tmp_path):
+    # the same requests through gRPC and the OpenAI HTTP door, in turn within each run
+    out_json, server_log = tmp_path / "doors.json", tmp_path / "server.log"
+    n, new = 16, 8
+    proc = run_bench(
+        "--serve", "--server-log", str(server_log), "--worker", "null", "--model", str(get_tiny_model("llama-gqa")),
+        "--backend", "grpc,openai", "--num-requests", str(n), "--concurrency", "4", "--max-new-tokens", str(new),
+        "--ignore-eos", "--prompt-len", "8", "--warmup-runs", "0", "--repeat-runs", "2", "--json", str(out_json),
+    )
+    assert proc.returncode == 0, explain(proc, server_log)
+    engines = json.loads(out_json.read_text())["engines"]
+    assert set(engines) == {"pagewire", "pagewire-openai"}
+    for name, backend in (("pagewire", "grpc"), ("pagewire-openai", "openai")):
+        e = engines[name]
+        assert e["details"]["backend"] == backend
+        assert [r["completion_tokens"] for r in e["runs"]] == [n * new] * 2
+        assert e["aggregate"]["prompt_tokens"] == 2 * n * 8
+        assert e["aggregate"]["itl_s"]["count"] == 2 * n * (new - 1)  # every token arrival counted
+    assert engines["pagewire-openai"]["details"]["addr"].startswith("http://127.0.0.1:")
+    assert "vs pagewire-openai" in proc.stdout
+
+
 # ---- flag errors (in process, no server) ----------------------------------------------------------
 
 
@@ -139,6 +162,15 @@ def bench_main(capsys, *argv: str) -> tuple[int, str]:
 
     code = main(["--log-level", "warning", "bench", "--no-progress", *argv])
     return code, capsys.readouterr().err
+
+
+def test_an_unknown_backend_is_a_usage_error(capsys):
+    from pagewire.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--backend", "grpc,rest"])
+    assert exit_.value.code == 2
+    assert "give one or more of grpc, openai" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -151,6 +183,7 @@ def bench_main(capsys, *argv: str) -> tuple[int, str]:
         (["--worker", "null"], "add --serve"),
         (["--baseline", "vllm"], "unknown baseline 'vllm'"),
         (["--concurrency", "2", "--client-processes", "4"], "more than --concurrency"),
+        (["--backend", "openai", "--client-processes", "2"], "--client-processes 1"),
     ],
 )
 def test_bad_flag_combinations_are_explained(capsys, argv, message):

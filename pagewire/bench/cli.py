@@ -79,6 +79,17 @@ def _repeats(text: str) -> list[int]:
     return values
 
 
+BACKENDS = ("grpc", "openai")
+
+
+def _backends(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in BACKENDS]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"give one or more of {', '.join(BACKENDS)}, comma-separated, got {text!r}")
+    return names
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -119,6 +130,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--serve", action="store_true",
                    help="start `pagewire serve` as a child process with the engine options below, wait for "
                    "'pagewire ready', and stop it (SIGTERM) at the end")
+    g.add_argument("--backend", type=_backends, default=["grpc"], metavar="grpc|openai[,...]",
+                   help="the door to measure: grpc (pagewire.v1.Generation), openai (streamed POST /v1/completions "
+                   "on the server's --http-listen address), or both, e.g. grpc,openai: each run is then sent "
+                   "through each door in turn and the table shows them side by side (default: grpc)")
     g.add_argument("--connect-timeout", type=_positive_float, default=10.0,
                    help="seconds to wait for the server at --addr to answer (default: %(default)s)")
     g.add_argument("--serve-timeout", type=_positive_float, default=600.0,
@@ -238,7 +253,9 @@ def validate_args(args) -> None:
         raise BenchError("--server-log needs --serve")
     if args.client_processes is None:
         streams = args.concurrency or DEFAULT_CONCURRENCY
-        args.client_processes = max(1, min(4, streams // 64, (os.cpu_count() or 1) // 4))
+        args.client_processes = 1 if "openai" in args.backend else max(1, min(4, streams // 64, (os.cpu_count() or 1) // 4))
+    if "openai" in args.backend and args.client_processes > 1:
+        raise BenchError("--backend openai runs its client in this process: use --client-processes 1")
     if args.concurrency is not None and args.client_processes > args.concurrency:
         raise BenchError(f"--client-processes ({args.client_processes}) is more than --concurrency ({args.concurrency})")
     if args.baseline_batch_size is None:
@@ -253,7 +270,9 @@ def validate_args(args) -> None:
     if not args.serve:
         # the baselines follow what the running server reports (dtype, block size, KV blocks)
         # the settings the baselines also use (model, device, batch limits, prefix cache) are not server-only
-        also_baselines = ("model", "device", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching")
+        # (and --http-listen, where the openai backend finds the running server's HTTP door)
+        also_baselines = ("model", "device", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
+                          "http_listen")
         server_only = [flag for flag, dest in passthrough_flags()
                        if dest not in also_baselines and getattr(args, dest) is not None]
         if server_only:

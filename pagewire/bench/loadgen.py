@@ -202,35 +202,44 @@ class Client:
                     rec.completion_tokens = sum(counts)
             update(1)
 
-        # the measured interval should not include collecting garbage made before it
-        gc.collect()
-        gc.freeze()
-        if start_at is not None and start_at > perf_counter():
-            await asyncio.sleep(start_at - perf_counter())
-        start = perf_counter() if start_at is None else max(start_at, perf_counter())
-        cpu_start = process_time()
-        try:
-            if concurrency is not None:
-                indices = iter(range(n))
+        duration, cpu = await drive(n, one, concurrency=concurrency, arrival_offsets=arrival_offsets,
+                                    start_at=start_at)
+        return LoadResult(records, duration, cpu)
 
-                async def stream_slot() -> None:
-                    for i in indices:  # shared iterator: each slot takes the next request
-                        await one(i)
 
-                await asyncio.gather(*(stream_slot() for _ in range(min(concurrency, n))))
-            else:
-                tasks = []
-                for i, offset in enumerate(arrival_offsets):
-                    delay = start + offset - perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    tasks.append(asyncio.create_task(one(i)))
-                await asyncio.gather(*tasks)
-            end = perf_counter()
-            cpu = process_time() - cpu_start
-        finally:
-            gc.unfreeze()
-        return LoadResult(records, end - start, cpu / (end - start) if end > start else 0.0)
+async def drive(n: int, one, *, concurrency: int | None, arrival_offsets: Sequence[float] | None,
+                start_at: float | None = None) -> tuple[float, float]:
+    """Run ``one(i)`` for every request index, closed loop (``concurrency`` at a time) or open
+    loop (each at its ``arrival_offsets``); return the wall time and the client's CPU fraction."""
+    # the measured interval should not include collecting garbage made before it
+    gc.collect()
+    gc.freeze()
+    if start_at is not None and start_at > perf_counter():
+        await asyncio.sleep(start_at - perf_counter())
+    start = perf_counter() if start_at is None else max(start_at, perf_counter())
+    cpu_start = process_time()
+    try:
+        if concurrency is not None:
+            indices = iter(range(n))
+
+            async def stream_slot() -> None:
+                for i in indices:  # shared iterator: each slot takes the next request
+                    await one(i)
+
+            await asyncio.gather(*(stream_slot() for _ in range(min(concurrency, n))))
+        else:
+            tasks = []
+            for i, offset in enumerate(arrival_offsets):
+                delay = start + offset - perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+        end = perf_counter()
+        cpu = process_time() - cpu_start
+    finally:
+        gc.unfreeze()
+    return end - start, cpu / (end - start) if end > start else 0.0
 
 
 # ---- several client processes -----------------------------------------------------------------

@@ -10,7 +10,7 @@ The JSON document (``--json``), schema version 1::
                     baselines, client_processes, worker, and engine: the engine options in force
     server          addr, started_by_bench, model_info (model_name, max_model_len, vocab_size, block_size,
                     num_kv_blocks, dtype, device, eos_token_ids)
-    engines         {"pagewire" | "hf" | "hf-cb": {per_token_timings, details, runs: [RUN, ...], aggregate: RUN}}
+    engines         {"pagewire" | "pagewire-openai" | "hf" | "hf-cb": {per_token_timings, details, runs: [RUN, ...], aggregate: RUN}}
     comparison      {baseline: {figure key: ratio or null}}; > 1 means pagewire is better (figure keys:
                     completion_tokens_per_s, total_tokens_per_s, requests_per_s, {ttft,tpot,itl,e2e}_{mean,p50,p95,p99})
 

@@ -20,6 +20,7 @@ from pagewire.bench.server import (
 )
 
 from pagewire.bench.cli import CLIENT_BUSY_WARNING, DEFAULT_ADDR
+from pagewire.bench.report import OURS
 
 
 class Bench:
@@ -112,17 +113,22 @@ class Bench:
 
     # ---- ours ----------------------------------------------------------------------------------
 
-    async def run_ours(self, addr: str) -> list:
-        """Connect, build the workload, run warmups and measured runs; the measured runs' LoadResults."""
+    async def run_ours(self, addr: str) -> dict[str, list]:
+        """Connect, build the workload, run warmups and measured runs through each door of
+        ``--backend`` (in turn within each run); the measured runs' LoadResults by door."""
+        from pagewire.bench.http_client import HttpClient
         from pagewire.bench.loadgen import Client, ClientPool, ServerUnreachable, build_requests
         from pagewire.client import make_sampling
 
         args = self.args
         client = Client(addr, args.connections)
+        http = HttpClient(self.http_url()) if "openai" in args.backend else None
         pool = None
         try:
             try:
                 self.model_info = await client.wait_ready(args.connect_timeout)
+                if http is not None:
+                    await http.wait_ready(args.connect_timeout)
                 if args.client_processes > 1:
                     pool = await asyncio.get_running_loop().run_in_executor(
                         None, ClientPool, addr, args.client_processes, 60.0,
@@ -135,26 +141,37 @@ class Bench:
             sampling = make_sampling(max_tokens=args.max_new_tokens, temperature=args.temperature,
                                      ignore_eos=args.ignore_eos)
             runner = pool or client
-            measured = []
+            measured: dict[str, list] = {backend: [] for backend in args.backend}
             for i in range(self.num_runs):
                 requests = build_requests(self.run_prompts[i], sampling)
-                label = self.run_label("pagewire", i)
-                with self.progress(label) as bar:
-                    result = await runner.run(
-                        requests,
-                        concurrency=args.concurrency,
-                        arrival_offsets=self.run_offsets[i],
-                        request_timeout=args.request_timeout,
-                        progress=bar,
-                    )
-                self.log_run(label, result.records, result.duration_s, result.client_cpu_fraction)
-                if i >= args.warmup_runs:
-                    measured.append(result)
+                for backend in args.backend:
+                    label = self.run_label(self.engine_name(backend), i)
+                    with self.progress(label) as bar:
+                        common = dict(concurrency=args.concurrency, arrival_offsets=self.run_offsets[i],
+                                      request_timeout=args.request_timeout, progress=bar)
+                        if backend == "openai":
+                            result = await http.run(requests, model=self.model_info.model_name, **common)
+                        else:
+                            result = await runner.run(requests, **common)
+                    self.log_run(label, result.records, result.duration_s, result.client_cpu_fraction)
+                    if i >= args.warmup_runs:
+                        measured[backend].append(result)
             return measured
         finally:
             if pool is not None:
                 pool.close()
+            if http is not None:
+                await http.close()
             await client.close()
+
+    def engine_name(self, backend: str) -> str:
+        """The table's name for a door: ours is the first one given."""
+        return OURS if backend == self.args.backend[0] else f"{OURS}-{backend}"
+
+    def http_url(self) -> str:
+        from pagewire_common.settings import default_of
+
+        return "http://" + (self.args.http_listen or default_of("http_listen"))
 
     def check_model_matches(self) -> None:
         info = self.model_info
@@ -306,6 +323,8 @@ class Bench:
         if args.serve:
             addr = args.addr or f"127.0.0.1:{_free_port()}"
             check_can_listen(addr)
+            if args.http_listen is None:  # the OpenAI door on a free port too, never the shared default
+                args.http_listen = f"127.0.0.1:{_free_port()}"
             server = ServedServer(serve_argv(args, addr), addr, args.server_log)
         else:
             addr = args.addr or DEFAULT_ADDR
@@ -322,14 +341,17 @@ class Bench:
                 if code not in (0, None):
                     print(f"pagewire bench: the server exited with code {code}; its last output:\n"
                           f"{server.output_tail()}", file=sys.stderr)
-        cpu = [m.client_cpu_fraction for m in measured]
-        results = [EngineResult(
-            name="pagewire",
-            runs=[run_metrics(m.records, m.duration_s, client_cpu_fraction=m.client_cpu_fraction) for m in measured],
-            aggregate=pooled_metrics([(m.records, m.duration_s) for m in measured], client_cpu_fractions=cpu),
-            records=[rec for m in measured for rec in m.records],
-            details={"addr": addr, "client_processes": args.client_processes},
-        )]
+        results = []
+        for backend, runs in measured.items():
+            cpu = [m.client_cpu_fraction for m in runs]
+            results.append(EngineResult(
+                name=self.engine_name(backend),
+                runs=[run_metrics(m.records, m.duration_s, client_cpu_fraction=m.client_cpu_fraction) for m in runs],
+                aggregate=pooled_metrics([(m.records, m.duration_s) for m in runs], client_cpu_fractions=cpu),
+                records=[rec for m in runs for rec in m.records],
+                details={"addr": self.http_url() if backend == "openai" else addr, "backend": backend,
+                         "client_processes": args.client_processes},
+            ))
         if self.baselines:
             results += self.run_baselines()
             ours_tokens = results[0].aggregate.completion_tokens
