@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from pagewire.bench.report import cpu_info
 from tests.service_utils import REPO, free_port
 from tests.tiny_models import get_tiny_model
 
@@ -129,6 +130,9 @@ def test_null_worker_counts_tokens(tmp_path):
     assert doc["server"]["model_info"]["device"] == "null"
     assert 0 < ours["aggregate"]["client_cpu_fraction"]
     assert "null worker" in proc.stdout
+    cpu = cpu_info()  # the machine is named in the JSON and in the summary, its ISA included
+    assert {k: doc["environment"][k] for k in cpu} == cpu
+    assert f"{cpu['cpu_cores_usable']} cores, ISA {cpu['cpu_isa'] or 'unknown'}" in proc.stdout
 
 
 # ---- flag errors (in process, no server) ----------------------------------------------------------
