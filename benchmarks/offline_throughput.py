@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 
 import torch
@@ -43,6 +41,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from pagewire import LLM, SamplingParams
+    from pagewire.bench.report import environment
     from worker_svc.weights import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
@@ -90,10 +89,8 @@ def main() -> int:
         "ratio": min(theirs) / min(ours),
         "pagewire_seconds": ours,
         "transformers_seconds": theirs,
-        "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
+        "environment": environment(),  # versions, CPU model, ISA and cores
     }
     print(
         f"{model_dir.name} {args.dtype}, {args.num_prompts} prompts x {args.max_tokens} tokens: "
