@@ -1,5 +1,5 @@
 """CPU per streamed token of every process of `pagewire serve --worker null`, for several numbers
-of API servers in one invocation (docs/benchmarks.md, "Control plane: null worker").
+of API servers in one invocation. Feeds docs/benchmarks.md, section "3. Control plane".
 
     python benchmarks/null_worker_cpu.py [--api-servers 1,2] [--max-new-tokens 64] [--stream-interval 1]
         [--num-requests 2048] [--repeat-runs 2] [--concurrency 256] [--json PATH]

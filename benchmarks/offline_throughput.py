@@ -1,4 +1,5 @@
-"""Offline throughput: pagewire's LLM.generate beside transformers' generate, same process.
+"""Offline throughput: pagewire's LLM.generate beside transformers' generate, same process. Feeds
+docs/benchmarks.md, section "Offline, in one process".
 
     python benchmarks/offline_throughput.py [--model PATH] [--dtype float32|bfloat16]
         [--num-prompts 32] [--max-tokens 64] [--repeats 2]
