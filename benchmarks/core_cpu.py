@@ -1,4 +1,5 @@
-"""The scheduler core's own CPU per token, without a transport (docs/benchmarks.md, section 3).
+"""The scheduler core's own CPU per token, without a transport. Feeds docs/benchmarks.md,
+section "The core's own cost".
 
     python benchmarks/core_cpu.py [--streams 256] [--max-new-tokens 64] [--num-requests 2048]
 

@@ -1,4 +1,5 @@
 """CPU paged attention: the C kernel (kvcache/cpu_kernels.py) beside the torch reference, one layer.
+Feeds docs/benchmarks.md, section "CPU paged attention".
 
 Decode batches with contexts drawn from a range (the reference pads them to the longest), and
 single prefill chunks at a given depth (where the dispatch hands chunks longer than 4 queries

@@ -1,4 +1,5 @@
-"""The transport's own ceiling: grpc.aio streaming with no engine behind it.
+"""The transport's own ceiling: grpc.aio streaming with no engine behind it. Feeds
+docs/benchmarks.md, section "What the transport alone can do".
 
     python benchmarks/grpc_ceiling.py [--requests 2048] [--concurrency 256]
         [--tokens-per-request 64] [--tokens-per-message 1,4,16]

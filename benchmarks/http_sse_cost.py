@@ -1,6 +1,6 @@
 """Server CPU per streamed SSE chunk for the HTTP stacks the OpenAI door could use.
 
-Feeds docs/benchmarks.md, section "The OpenAI HTTP door" (why aiohttp). Each stack runs in a
+Feeds docs/benchmarks.md, section "5. The OpenAI HTTP door" (why aiohttp). Each stack runs in a
 child process that streams ``--chunks`` server-sent events per request to ``--clients``
 concurrent readers; the figure is the server process's CPU time (user + system) per chunk, which
 is what a busy API server spends, independent of how loaded the machine is. Stacks are run in
@@ -16,7 +16,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import platform
 import socket
 import statistics
 import time
@@ -142,9 +141,11 @@ def main() -> None:
                 proc.join()
     summary = {name: round(statistics.median(v) * 1e6, 2) for name, v in results.items()}
     if args.json:
+        from pagewire.bench.report import environment
+
         print(json.dumps({"cpu_us_per_chunk": summary, "chunks": args.chunks, "clients": args.clients,
-                          "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                          "time": time.strftime("%Y-%m-%d")}))
+                          "rounds": args.rounds, "date": time.strftime("%Y-%m-%d"), "environment": environment()},
+                         indent=1))
     else:
         for name, us in summary.items():
             print(f"{name:20s} {us:8.2f} us of server CPU per chunk")

@@ -1,5 +1,5 @@
 """CPU per streamed token of every process of `pagewire serve --worker null`, for several numbers
-of API servers in one invocation (docs/benchmarks.md, "Control plane: null worker").
+of API servers in one invocation. Feeds docs/benchmarks.md, section "3. Control plane".
 
     python benchmarks/null_worker_cpu.py [--api-servers 1,2] [--max-new-tokens 64] [--stream-interval 1]
         [--num-requests 2048] [--repeat-runs 2] [--concurrency 256] [--json PATH]
@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 
 import grpc
 
-from pagewire.bench.server import ServedServer, _child_pids, _free_port
+from pagewire.bench.report import cpu_info, environment
+from pagewire.bench.server import ServedServer, child_pids, free_port
 from pagewire_common.v1 import generation_pb2 as pb
 from pagewire_common.v1 import generation_pb2_grpc
 
@@ -57,14 +57,14 @@ def processes(serve_pid: int) -> dict[str, list[int]]:
     """Role -> pids: the serve supervisor, the worker, the core, each API server (its helper
     processes, tokenizer and multiprocessing's tracker, counted with it)."""
     roles: dict[str, list[int]] = {"serve": [serve_pid]}
-    for child in _child_pids(serve_pid):
+    for child in child_pids(serve_pid):
         argv = cmdline(child)
         if " worker " in argv:
             roles["worker"] = [child]
         elif " scheduler " in argv:
             roles["core"] = [child]
-            for i, api in enumerate(_child_pids(child), 1):
-                roles[f"api-server {i}"] = [api, *_child_pids(api)]
+            for i, api in enumerate(child_pids(child), 1):
+                roles[f"api-server {i}"] = [api, *child_pids(api)]
     return roles
 
 
@@ -87,7 +87,7 @@ def bench(addr: str, args, num_requests: int, runs: int) -> str:
 
 
 def measure(num_api_servers: int, args) -> dict:
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     server = ServedServer(
         [sys.executable, "-m", "pagewire.cli", "serve", "--worker", "null", "--listen", addr,
          "--max-num-seqs", str(args.concurrency), "--stream-interval", str(args.stream_interval),
@@ -122,17 +122,6 @@ def measure(num_api_servers: int, args) -> dict:
     }
 
 
-def cpu_isa() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return platform.machine()
-    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
-        if isa in flags:
-            return isa
-    return platform.machine()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--api-servers", default="1,2", help="comma-separated API-server counts (default: %(default)s)")
@@ -147,7 +136,7 @@ def main() -> int:
     args = p.parse_args()
     results = [measure(int(n), args) for n in args.api_servers.split(",")]
     print(f"{args.repeat_runs} runs x {args.num_requests} requests x {args.max_new_tokens} tokens, stream interval "
-          f"{args.stream_interval}, {args.concurrency} streams, {os.cpu_count()} cores ({cpu_isa()})")
+          f"{args.stream_interval}, {args.concurrency} streams, {os.cpu_count()} cores ({cpu_info()['cpu_isa']})")
     for r in results:
         cpu = r["cpu_us_per_token"]
         per_role = ", ".join(f"{role} {us:.1f}" for role, us in cpu.items())
@@ -159,7 +148,7 @@ def main() -> int:
               f"{1e6 / api:,.0f} tok/s, so {need:.0f} API servers for 50,000 tok/s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "cpu_isa": cpu_isa(), "cores": os.cpu_count(), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "environment": environment(), "results": results}, f, indent=1)
     return 0
 
 

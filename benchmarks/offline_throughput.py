@@ -1,4 +1,5 @@
-"""Offline throughput: pagewire's LLM.generate beside transformers' generate, same process.
+"""Offline throughput: pagewire's LLM.generate beside transformers' generate, same process. Feeds
+docs/benchmarks.md, section "Offline, in one process".
 
     python benchmarks/offline_throughput.py [--model PATH] [--dtype float32|bfloat16]
         [--num-prompts 32] [--max-tokens 64] [--repeats 2]
@@ -12,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 
 import torch
@@ -43,6 +42,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from pagewire import LLM, SamplingParams
+    from pagewire.bench.report import environment
     from worker_svc.weights import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
@@ -90,10 +90,8 @@ def main() -> int:
         "ratio": min(theirs) / min(ours),
         "pagewire_seconds": ours,
         "transformers_seconds": theirs,
-        "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
+        "environment": environment(),  # versions, CPU model, ISA and cores
     }
     print(
         f"{model_dir.name} {args.dtype}, {args.num_prompts} prompts x {args.max_tokens} tokens: "

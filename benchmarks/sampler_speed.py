@@ -1,10 +1,10 @@
-"""Time the worker's sampler alone on random logits (CPU by default).
+"""Time the worker's sampler alone on random logits (CPU by default). Feeds docs/benchmarks.md,
+section "Sampling at temperature 1.0".
 
     python benchmarks/sampler_speed.py [--rows 32] [--vocab 49152] [--device cpu]
 
 Prints milliseconds per call for plain temperature sampling, top_k=50 + top_p=0.95, top_p=0.9
-alone, and per-row seeds. To time an older sampler, run this file with that tree first on
-PYTHONPATH (the Sampler/SamplingBatch interface is unchanged since commit b418686).
+alone, and per-row seeds.
 """
 
 from __future__ import annotations

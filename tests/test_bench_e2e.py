@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from pagewire.bench.report import cpu_info
 from tests.service_utils import REPO, free_port
 from tests.tiny_models import get_tiny_model
 
@@ -90,12 +91,15 @@ def test_serve_measure_and_compare_with_baselines(model_dir, tmp_path):
     assert engines["hf"]["aggregate"]["ttft_s"] is None  # not observable for static batches
     assert engines["hf"]["details"]["batch_size"] == 4
     assert set(doc["comparison"]) == {"hf", "hf-cb"}
-    assert doc["comparison"]["hf"]["completion_tokens_per_s"] > 0
+    throughput = {name: engine["aggregate"]["completion_tokens_per_s"] for name, engine in engines.items()}
+    for name in ("hf", "hf-cb"):  # > 1 means pagewire is better: ours / theirs for throughput
+        assert doc["comparison"][name]["completion_tokens_per_s"] == pytest.approx(throughput["pagewire"] / throughput[name])
     assert doc["comparison"]["hf"]["ttft_p50"] is None
     assert doc["argv"][doc["argv"].index("--json") + 1] == str(out_json)
     assert "--serve" in doc["command_line"]
     env = doc["environment"]
-    assert env["torch"] and env["cpu_count"] >= 1 and "gpu" in env
+    assert env["torch"] and env["cpu_count"] == os.cpu_count() and "gpu" in env
+    assert env["cpu_isa"] == cpu_info()["cpu_isa"]
     assert doc["server"]["model_info"]["model_name"] == model_dir.name
     assert doc["config"]["engine"]["max_num_batched_tokens"] == 512
 
@@ -129,6 +133,9 @@ def test_null_worker_counts_tokens(tmp_path):
     assert doc["server"]["model_info"]["device"] == "null"
     assert 0 < ours["aggregate"]["client_cpu_fraction"]
     assert "null worker" in proc.stdout
+    cpu = cpu_info()  # the machine is named in the JSON and in the summary, its ISA included
+    assert {k: doc["environment"][k] for k in cpu} == cpu
+    assert f"{cpu['cpu_cores_usable']} cores, ISA {cpu['cpu_isa'] or 'unknown'}" in proc.stdout
 
 
 @pytest.mark.slow

@@ -110,3 +110,65 @@ def test_layers_import_only_downwards():
                 if m:
                     top = m.group(1).split(".")[0]
                     assert top not in forbidden, f"{path.relative_to(REPO)} imports {m.group(1)}"
+
+
+def test_benchmarks_feed_a_section_and_use_public_names():
+    """Every script in benchmarks/ names the section of docs/benchmarks.md it feeds (a heading that
+    exists), and imports nothing from tests/ and no other module's private (_name) names."""
+    import ast
+    import re
+
+    headings = [line.lstrip("#").strip() for line in (REPO / "docs/benchmarks.md").read_text().splitlines()
+                if line.startswith("#")]
+    scripts = sorted((REPO / "benchmarks").glob("*.py"))
+    assert scripts
+    for path in scripts:
+        tree = ast.parse(path.read_text())
+        doc = " ".join((ast.get_docstring(tree) or "").split())
+        m = re.search(r'docs/benchmarks\.md, section "([^"]+)"', doc)
+        assert m, f"{path.name}: the docstring names no section of docs/benchmarks.md"
+        assert any(h.startswith(m.group(1)) for h in headings), f"{path.name}: no heading {m.group(1)!r}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules, names = [a.name for a in node.names], []
+            elif isinstance(node, ast.ImportFrom):
+                modules, names = [node.module or ""], [a.name for a in node.names]
+            else:
+                continue
+            for module in modules:
+                assert module.split(".")[0] not in ("tests", "benchmarks"), f"{path.name} imports {module}"
+                assert not any(part.startswith("_") for part in module.split(".") if part != "__future__"), \
+                    f"{path.name} imports the private module {module}"
+            private = [n for n in names if n.startswith("_")]
+            assert not private, f"{path.name} imports private names {private} from {modules[0]}"
+
+
+def test_readme_shows_only_flags_that_exist():
+    """Every flag README.md shows is an option of some pagewire command, and a command line it shows
+    (`pagewire CMD ...`, in a code block or in backticks) uses only that command's options."""
+    import re
+
+    from pagewire.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    options = {name: set(p._option_string_actions) for name, p in commands.items()}
+    everywhere = set(parser._option_string_actions).union(*options.values())
+    text = (REPO / "README.md").read_text()
+    unknown = sorted(set(re.findall(r"--[a-z][a-z0-9-]*", text)) - everywhere)
+    assert not unknown, f"README.md shows flags no command has: {unknown}"
+
+    fence = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
+    blocks = [body for lang, body in fence.findall(text) if lang in ("bash", "sh", "")]
+    lines = [line.split(" #")[0] for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    lines += re.findall(r"`([^`\n]+)`", fence.sub("", text))
+    checked = 0
+    for line in lines:
+        for m in re.finditer(r"\bpagewire ([a-z-]+)((?: [^ ]+)*)", line):
+            command, rest = m.group(1), m.group(2)
+            if command not in options:
+                continue
+            checked += 1
+            wrong = sorted(set(re.findall(r"--[a-z][a-z0-9-]*", rest)) - options[command])
+            assert not wrong, f"README.md: `pagewire {command}` has no {wrong} (in {line.strip()!r})"
+    assert checked >= 8

@@ -134,14 +134,15 @@ def test_chat_uses_template(services, offline):
         (dict(prompt="hi", model="no-such-model"), "unknown model"),
     ],
 )
-def test_bad_requests_get_invalid_argument(services, request_kwargs, fragment):
+def test_bad_requests_get_invalid_argument(services, offline, request_kwargs, fragment):
     s = stub(services)
     with pytest.raises(grpc.RpcError) as err:
         list(s.Generate(pb.GenerateRequest(**request_kwargs)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in err.value.details()
+    # the server still serves, and exactly
     ids, _, _ = collect(s.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling(max_tokens=3))))
-    assert len(ids) >= 1
+    assert ids == offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
 
 
 def test_model_info_and_stats(services, model_dir):
@@ -153,7 +154,11 @@ def test_model_info_and_stats(services, model_dir):
     assert health_status(services, "pagewire.v1.Generation") == SERVING
     stats = s.GetStats(pb.StatsRequest())
     assert stats.num_total_blocks == 600 and stats.worker_connected
-    assert stats.num_requests_rejected >= 0
+    with pytest.raises(grpc.RpcError):  # refused at the API server, counted by the core
+        list(s.Generate(pb.GenerateRequest(prompt="hi", sampling=sampling(temperature=-1.0))))
+    after = s.GetStats(pb.StatsRequest())
+    assert after.num_requests_rejected == stats.num_requests_rejected + 1
+    assert after.num_requests_finished == stats.num_requests_finished
 
 
 def test_cancel_20_of_40_streams(services, offline, model_dir):
@@ -220,7 +225,7 @@ def test_queue_bound_gives_resource_exhausted(model_dir, tmp_path):
         worker.stop()
 
 
-def test_worker_death_gives_unavailable_then_recovers(model_dir, tmp_path):
+def test_worker_death_gives_unavailable_then_recovers(model_dir, offline, tmp_path):
     port = free_port()
     worker, worker_addr = start_worker(model_dir, tmp_path, port=port, extra=["--block-size", "4", "--num-kv-blocks", "300"])
     sched, addr = start_scheduler(worker_addr, tmp_path)
@@ -244,7 +249,7 @@ def test_worker_death_gives_unavailable_then_recovers(model_dir, tmp_path):
         worker, _ = start_worker(model_dir, tmp_path, port=port, extra=["--block-size", "4", "--num-kv-blocks", "300"])
         wait_until(lambda: health_status(addr) == SERVING, timeout=15)
         ids, _, _ = collect(s.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling(max_tokens=5))))
-        assert len(ids) >= 1
+        assert ids == offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5))[0].token_ids
         assert_all_blocks_free(addr)
     finally:
         sched.stop()

@@ -4,7 +4,9 @@ The JSON document (``--json``), schema version 1::
 
     schema_version  1
     command_line    the exact command line (shell-quoted); argv: the same as a list
-    environment     python, platform, cpu_count, pagewire, torch, transformers, grpcio, cuda, gpu (name or null)
+    environment     python, platform, cpu_count, cpu_cores_usable, cpu_model, cpu_isa (the best of ISA_LEVELS the
+                    CPU has, e.g. avx512_bf16 or avx2; null if unknown), cpu_isa_flags (all of ISA_LEVELS it has),
+                    pagewire, torch, transformers, grpcio, cuda, gpu (name or null)
     config          the workload (num_requests, concurrency | request_rate, seed, prompt_len [lo, hi] | prompt +
                     prompt_repeats, max_new_tokens, ignore_eos, temperature, warmup_runs, repeat_runs, ...),
                     baselines, client_processes, worker, and engine: the engine options in force
@@ -143,8 +145,48 @@ def summary_text(results: list[EngineResult], header: list[str]) -> str:
 # ---- JSON ------------------------------------------------------------------------------------
 
 
+# SIMD levels that decide CPU inference speed (x86 flags, then Arm features), best first: the same
+# command gives very different figures on an avx512_bf16 host and an avx2-only one, so every JSON says which.
+ISA_LEVELS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "avx", "sve", "asimd")
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict:
+    """This machine's CPU: ``cpu_model`` ("model name"; None where /proc/cpuinfo has none, as on
+    Arm), ``cpu_isa`` (the best of ``ISA_LEVELS`` it has, or None), ``cpu_isa_flags`` (every one of
+    ``ISA_LEVELS`` it has, best first), ``cpu_cores_usable`` (cores this process may run on).
+    ``cpuinfo``: the text of /proc/cpuinfo, read here when None (empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model = None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:  # x86 / Arm
+            flags = set(value.split())
+    have = [isa for isa in ISA_LEVELS if isa in flags]
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count()
+    return {
+        "cpu_model": model,
+        "cpu_isa": have[0] if have else None,
+        "cpu_isa_flags": have,
+        "cpu_cores_usable": usable,
+    }
+
+
 def environment() -> dict:
-    """Versions and hardware of this machine (imports torch: call after measuring)."""
+    """Versions and hardware of this machine, the CPU's ISA included (imports torch: call after
+    measuring)."""
     from importlib import metadata
 
     def version(dist: str) -> str | None:
@@ -157,6 +199,7 @@ def environment() -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        **cpu_info(),
         "pagewire": version("pagewire"),
         "torch": None,
         "transformers": version("transformers"),

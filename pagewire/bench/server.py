@@ -34,7 +34,8 @@ def passthrough_flags() -> list[tuple[str, str]]:
             if set(f.metadata["scope"]) & set(_BENCH_SCOPES) and f.name not in _NOT_PASSED]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -150,15 +151,16 @@ class ServedServer:
 def descendant_pids(pid: int) -> list[int]:
     """Every process below ``pid`` (children first), from /proc (Linux; empty elsewhere)."""
     found: list[int] = []
-    stack = _child_pids(pid)
+    stack = child_pids(pid)
     while stack:
         child = stack.pop(0)
         found.append(child)
-        stack += _child_pids(child)
+        stack += child_pids(child)
     return found
 
 
-def _child_pids(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid``, from /proc (Linux; empty elsewhere)."""
     pids: list[int] = []
     try:
         for task in os.listdir(f"/proc/{pid}/task"):

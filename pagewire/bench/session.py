@@ -13,14 +13,14 @@ from pagewire.bench.server import (
     passthrough_flags,
     BenchError,
     ServedServer,
-    _free_port,
+    free_port,
     _serve_defaults,
     check_can_listen,
     serve_argv,
 )
 
 from pagewire.bench.cli import CLIENT_BUSY_WARNING, DEFAULT_ADDR
-from pagewire.bench.report import OURS
+from pagewire.bench.report import OURS, cpu_info
 
 
 class Bench:
@@ -280,12 +280,15 @@ class Bench:
         sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
         eos = ", ignore EOS" if args.ignore_eos else ""
         worker = " [null worker: no model math]" if args.worker == "null" else ""
+        cpu = cpu_info()
         return [
             f"pagewire bench: {args.num_requests} requests x {args.repeat_runs} run(s) (+{args.warmup_runs} warmup), "
             f"{mode}",
             f"prompt: {prompt}; up to {args.max_new_tokens} new tokens{eos}; {sampling}",
             f"server: {addr}{' (started by the bench)' if args.serve else ''}: {info.model_name}, {info.dtype} on "
             f"{info.device}, {info.num_kv_blocks} KV blocks x {info.block_size}{worker}",
+            f"this machine: {cpu['cpu_model'] or 'CPU model unknown'}, {cpu['cpu_cores_usable']} cores, "
+            f"ISA {cpu['cpu_isa'] or 'unknown'}",
         ]
 
     def config_dict(self) -> dict:
@@ -321,10 +324,10 @@ class Bench:
         args = self.args
         server = None
         if args.serve:
-            addr = args.addr or f"127.0.0.1:{_free_port()}"
+            addr = args.addr or f"127.0.0.1:{free_port()}"
             check_can_listen(addr)
             if args.http_listen is None:  # the OpenAI door on a free port too, never the shared default
-                args.http_listen = f"127.0.0.1:{_free_port()}"
+                args.http_listen = f"127.0.0.1:{free_port()}"
             server = ServedServer(serve_argv(args, addr), addr, args.server_log)
         else:
             addr = args.addr or DEFAULT_ADDR
