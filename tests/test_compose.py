@@ -45,7 +45,7 @@ def test_compose_structure():
     worker, scheduler = doc["services"]["worker"], doc["services"]["scheduler"]
     assert worker["command"][0] == "worker" and scheduler["command"][0] == "scheduler"
     assert scheduler["depends_on"]["worker"]["condition"] == "service_healthy"
-    assert "50051:50051" in scheduler["ports"]
+    assert "50051:50051" in scheduler["ports"] and "8000:8000" in scheduler["ports"]
     # both tiers come back when they die; the scheduler runs several API servers
     assert worker["restart"] == scheduler["restart"] == "unless-stopped"
     assert int(scheduler["command"][scheduler["command"].index("--api-servers") + 1]) >= 2
@@ -94,7 +94,7 @@ def _run_healthcheck(test: list[str], ports: dict[str, int]) -> int:
 def test_compose_commands_run_as_processes(tmp_path, smollm2_dir):
     doc = compose()
     worker_cmd, sched_cmd = doc["services"]["worker"]["command"], doc["services"]["scheduler"]["command"]
-    ports = {"50052": free_port(), "50051": free_port()}
+    ports = {"50052": free_port(), "50051": free_port(), "8000": free_port()}
     worker = Proc(_localize(worker_cmd, ports), tmp_path / "worker.log")
     scheduler = None
     try:
@@ -121,6 +121,13 @@ def test_compose_commands_run_as_processes(tmp_path, smollm2_dir):
         offline = llm.generate(SMOLLM2_PROMPTS, SamplingParams(temperature=0, max_tokens=16))
         assert [ids for ids, _ in streamed] == [o.token_ids for o in offline]
         assert [text for _, text in streamed] == [o.text for o in offline]
+        # the OpenAI door on the compose port answers with the same text
+        import openai
+
+        http = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['8000']}/v1", api_key="unused", max_retries=0)
+        out = http.completions.create(model=http.models.list().data[0].id, prompt=SMOLLM2_PROMPTS[0],
+                                      max_tokens=16, temperature=0)
+        assert out.choices[0].text == streamed[0][1]
         eos = set(llm.engine.worker_info.eos_token_ids)
         for text, (ids, _) in list(zip(SMOLLM2_PROMPTS, streamed))[:4]:
             assert ids == hf_greedy(smollm2_dir, llm.tokenizer.encode(text), 16, eos)[0]
