@@ -78,6 +78,15 @@ def _http_address(value) -> str | None:
     return None
 
 
+def _host_port(value) -> str | None:
+    if value is None:
+        return None
+    host, sep, port = str(value).removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return f"must be host:port, got {value!r}"
+    return None
+
+
 def _setting(default, help: str, *, scope: tuple[str, ...], check=None, type=None, flag=None,
              negate: str | None = None, metavar=None, choices=None):
     """One setting. ``negate`` names the flag that turns a default-True bool off
@@ -126,6 +135,21 @@ class Settings:
     cuda_graph_max_batch: int = _setting(
         256, "largest decode batch captured as a CUDA graph (default: %(default)s)", scope=(WORKER,),
         check=_at_least(1), type=int)
+    tensor_parallel_size: int = _setting(
+        1, "shard the model over N worker ranks, one process each (one GPU each on CUDA), joined with "
+        "torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 serves the scheduler and starts the other ranks "
+        "on this machine unless --rank is given (default: %(default)s)", scope=(WORKER,), check=_at_least(1),
+        type=int, metavar="N")
+    distributed_init: str | None = _setting(
+        None, "host:port of the TCP store that joins the ranks, served by rank 0 (default: a free loopback port, "
+        "all ranks on this machine)", scope=(WORKER,), check=_host_port, type=str, metavar="ADDR")
+    rank: int | None = _setting(
+        None, "run only this rank of --world-size ranks started apart (several machines), joined at "
+        "--distributed-init; rank 0 serves the scheduler (default: rank 0, which starts the others itself)",
+        scope=(WORKER,), check=_at_least(0), type=int)
+    world_size: int | None = _setting(
+        None, "how many ranks there are in all, with --rank (equals --tensor-parallel-size, which it sets "
+        "when that is left at 1)", scope=(WORKER,), check=_at_least(1), type=int, metavar="N")
     worker: str = _setting(
         "model", "model: run the model (default); null: no model math, return fixed ordinary tokens using "
         "--model's config and tokenizer only, to measure the control plane (scheduler, gRPC, streaming)",
@@ -179,6 +203,12 @@ class Settings:
             problem = check(f.name, getattr(self, f.name))
             if problem:
                 raise ValueError(problem)
+        _check_ranks(self)
+
+    @property
+    def num_ranks(self) -> int:
+        """The worker's tensor-parallel ranks (``--world-size`` when given, else ``--tensor-parallel-size``)."""
+        return self.world_size or self.tensor_parallel_size
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)
@@ -203,6 +233,20 @@ class Settings:
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         given.update(overrides)
         return cls(**given)
+
+
+def _check_ranks(settings: "Settings") -> None:
+    """The ranks' settings agree: --rank needs --world-size and --distributed-init, and the world
+    is the tensor-parallel group (every rank holds one shard)."""
+    tp, world, rank = settings.tensor_parallel_size, settings.world_size, settings.rank
+    if world is not None and tp not in (1, world):
+        raise ValueError(f"--world-size ({world}) must equal --tensor-parallel-size ({tp}): every rank is a "
+                         "tensor-parallel rank")
+    if rank is not None:
+        if world is None or settings.distributed_init is None:
+            raise ValueError("--rank needs --world-size and --distributed-init (the address rank 0 listens on)")
+        if rank >= world:
+            raise ValueError(f"--rank ({rank}) must be below --world-size ({world})")
 
 
 SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings))

