@@ -42,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, (API, PROCESS), title="API servers and processes")
 
     p = sub.add_parser("worker", help="run only the worker (model + KV cache)",
-                       description="Serve the internal pagewire.v1.Worker service for one scheduler core.")
-    p.add_argument("--listen", required=True, help="address for the scheduler, host:port or unix:PATH")
+                       description="Serve the internal pagewire.v1.Worker service for one scheduler core. With "
+                       "--tensor-parallel-size N it runs N ranks (it starts ranks 1..N-1 itself); with --rank R > 0 "
+                       "it runs only that rank, started apart on this or another machine, which serves nothing.")
+    p.add_argument("--listen", default=None,
+                   help="address for the scheduler, host:port or unix:PATH (required, except for --rank R > 0)")
     add_arguments(p, (WORKER,), title="model and KV cache")
 
     p = sub.add_parser("scheduler", help="run the scheduler core and its API servers (public gRPC API)",
