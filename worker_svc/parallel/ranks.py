@@ -114,17 +114,20 @@ class LocalRanks:
                 raise RuntimeError(f"the tensor-parallel ranks did not join within {timeout}")
             time.sleep(0.05)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+    def stop(self, timeout: float = 10.0, told: bool = False) -> None:
+        """Wait for ranks that were ``told`` to stop, then SIGTERM (and after ``timeout``, SIGKILL)
+        what is left."""
         deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for signal_them in ((lambda proc: None) if told else (lambda proc: proc.terminate()), lambda proc: proc.kill()):
+            for proc in self.procs:
+                if proc.poll() is None:
+                    signal_them(proc)
+            for proc in self.procs:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            deadline = time.monotonic() + timeout
 
 
 class DriverRunner:
@@ -172,13 +175,15 @@ class DriverRunner:
         if self.closed:
             return
         self.closed = True
+        told = False
         try:
             if self.lost_rank() is None:
                 self.channel.send(Kind.STOP)
+                told = True
         except RuntimeError:
             pass  # a rank is gone already
         if self.local_ranks is not None:
-            self.local_ranks.stop()
+            self.local_ranks.stop(told=told)
         import torch.distributed as dist
 
         if dist.is_initialized():
