@@ -25,7 +25,8 @@ SAMPLE = dict(model="/m", served_model_name="m", dtype="bfloat16", device="cpu",
               kv_cache_bytes=1 << 20, max_model_len=99, num_threads=3, cuda_graphs=False, cuda_graph_max_batch=12,
               worker="null", max_num_batched_tokens=48, max_num_seqs=5, enable_prefix_caching=False,
               max_queued_requests=7, overlap=False, admission_turns=4, prefill_pacing_steps=9, stream_interval=3,
-              api_servers=2, shutdown_timeout=4.5)
+              api_servers=2, http_listen="127.0.0.1:9", shutdown_timeout=4.5, tensor_parallel_size=2, distributed_init="10.0.0.1:29500", rank=1,
+              world_size=2)
 
 
 def test_every_setting_has_help_a_scope_and_a_sample():
@@ -41,7 +42,7 @@ def test_each_command_has_the_flags_of_its_scopes_with_the_declared_defaults(com
     scopes = COMMANDS[command]
     for name, f in FIELDS.items():
         wanted = bool(set(f.metadata["scope"]) & set(scopes)) and not (command == "api-server" and name == "api_servers")
-        if command == "api-server" and name == "shutdown_timeout":
+        if command == "api-server" and name in ("shutdown_timeout", "http_listen"):
             wanted = True
         assert hasattr(args, name) == wanted, (command, name)
         if wanted:
@@ -71,6 +72,21 @@ def test_bad_values_are_refused_by_the_flag_and_by_the_object(name, bad, capsys)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", flag_of(FIELDS[name]), str(bad)])
     assert flag_of(FIELDS[name]) in capsys.readouterr().err
+
+
+def test_rank_settings_must_agree():
+    assert Settings(tensor_parallel_size=4).num_ranks == 4
+    assert Settings(world_size=4, rank=0, distributed_init="h:1").num_ranks == 4  # --world-size alone sets it
+    with pytest.raises(ValueError, match="--world-size .* must equal --tensor-parallel-size"):
+        Settings(tensor_parallel_size=2, world_size=4)
+    with pytest.raises(ValueError, match="--rank needs --world-size and --distributed-init"):
+        Settings(rank=1, world_size=2)
+    with pytest.raises(ValueError, match="--rank .* must be below --world-size"):
+        Settings(rank=2, world_size=2, distributed_init="h:1")
+    with pytest.raises(ValueError, match="--distributed-init"):
+        Settings(distributed_init="no-port")
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        Settings(tensor_parallel_size=0)
 
 
 def test_component_configs_take_their_defaults_and_checks_from_the_settings():
