@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU: what a step costs with one rank and with two, and how much of it the
-collectives take. Feeds docs/benchmarks.md, section "5. Tensor parallelism on CPU".
+collectives take. Feeds docs/benchmarks.md, section "6. Tensor parallelism on CPU".
 
     python benchmarks/tp_collectives_cpu.py [--model PATH] [--sizes 1,2] [--batch 32]
         [--prompt-len 16] [--max-tokens 64] [--dtype float32] [--json out.json]

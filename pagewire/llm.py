@@ -48,7 +48,8 @@ class LLM:
     defaults and checks.
 
     ``tensor_parallel_size=N`` shards the model over N ranks: this process is rank 0 and starts
-    ranks 1..N-1 as child processes, which stop with ``close()`` (or when this process exits).
+    ranks 1..N-1 as child processes, which stop with ``close()`` (or when this process exits). A
+    process holds one such group at a time (torch.distributed's default group).
     """
 
     def __init__(self, model: str | Path | None = None, **settings):

@@ -122,6 +122,8 @@ def is_alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("kind", TP_KINDS)
 def test_serve_two_ranks_match_transformers_with_overlap(kind, tiny_model_dir, tmp_path):
+    """serve's core keeps one plan in flight ahead (overlap is its default): the decodes of plan
+    N+1 take the ids sampled in step N, which rank 1 learns from plan N+1's hand-off."""
     model_dir = tiny_model_dir(kind)
     prompts = short_prompts(model_dir)
     expected = expected_tokens(model_dir, prompts)
@@ -136,7 +138,6 @@ def test_serve_two_ranks_match_transformers_with_overlap(kind, tiny_model_dir, t
         assert generate(addr, prompts[-1]) == expected[-1]  # its blocks are cached: a prefix hit
         after = stub(addr).GetStats(pb.StatsRequest())
         assert after.num_prefix_cache_hit_tokens > before.num_prefix_cache_hit_tokens
-        assert "--no-overlap" not in " ".join(serve.argv)
     finally:
         serve.stop(30)
 
@@ -179,3 +180,32 @@ def test_killing_a_rank_fails_calls_unavailable_and_leaves_no_process(tiny_model
         assert [pid for pid in pids if is_alive(pid)] == []
     finally:
         serve.kill()
+
+
+def test_ranks_started_apart_join_at_the_store_address(tiny_model_dir, tmp_path):
+    """--rank/--world-size/--distributed-init, as on several machines (here two processes on one)."""
+    from tests.service_utils import start_scheduler
+
+    model_dir = tiny_model_dir("qwen3")
+    store = f"127.0.0.1:{free_port()}"
+    common = ["--model", str(model_dir), "--world-size", "2", "--distributed-init", store, "--block-size", "4",
+              "--num-kv-blocks", "64"]
+    rank1 = Proc(["worker", "--rank", "1", *common], tmp_path / "rank1.log")
+    port = free_port()
+    rank0 = Proc(["worker", "--rank", "0", "--listen", f"127.0.0.1:{port}", *common], tmp_path / "rank0.log")
+    sched = None
+    try:
+        rank0.wait_for_output("pagewire worker ready", timeout=120)
+        assert "2 tensor-parallel ranks" in rank0.output()
+        assert descendants(rank0.proc.pid) == []  # it started no rank itself
+        sched, addr = start_scheduler(f"127.0.0.1:{port}", tmp_path)
+        assert generate(addr, [5, 6, 7], 8) == expected_tokens(model_dir, [[5, 6, 7]], 8)[0]
+        sched.stop()
+        sched = None
+        assert rank0.stop() == 0
+        assert rank1.proc.wait(15) == 0  # rank 0 told it to stop
+        assert "tensor-parallel rank 1 stopping" in rank1.output()
+    finally:
+        for proc in (sched, rank0, rank1):
+            if proc is not None:
+                proc.kill()
