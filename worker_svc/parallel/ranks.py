@@ -40,26 +40,25 @@ IDLE_TIMEOUT = timedelta(days=365)  # for rank 0's next plan
 
 
 def _runner_config(settings: Settings, rank: int):
+    import dataclasses
+
+    import torch
+
     from worker_svc.runner import RunnerConfig
 
     config = RunnerConfig.from_settings(settings)
-    import torch
-
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda":  # one GPU per rank
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-    return RunnerConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__}, "device": device})
+    return dataclasses.replace(config, device=device)
 
 
-def _cpu_threads(settings: Settings, num_local_ranks: int) -> None:
-    """Ranks on one machine share its cores: each takes its part unless --num-threads says."""
-    import torch
+def _set_threads(num_threads: int | None) -> None:
+    if num_threads:
+        import torch
 
-    if settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
-    elif num_local_ranks > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local_ranks))
+        torch.set_num_threads(num_threads)
 
 
 def _join(rank: int, world_size: int, store, device: str) -> tuple[TensorParallel, PlanChannel]:
@@ -79,12 +78,18 @@ def _store_address(settings: Settings) -> tuple[str, int]:
 # ---- rank 0 -------------------------------------------------------------------------------------
 
 
+def local_threads(settings: Settings) -> int:
+    """Ranks on one machine share its cores: each takes its part unless --num-threads says."""
+    return settings.num_threads or max(1, (os.cpu_count() or 1) // settings.num_ranks)
+
+
 class LocalRanks:
     """Ranks 1..N-1 as child processes of rank 0 (``pagewire worker --rank R``), which die with it."""
 
     def __init__(self, settings: Settings, store_host: str, store_port: int):
         n = settings.num_ranks
-        child = settings.replace(tensor_parallel_size=n, rank=None, world_size=None, distributed_init=None)
+        child = settings.replace(tensor_parallel_size=n, rank=None, world_size=None, distributed_init=None,
+                                 num_threads=local_threads(settings))
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
         env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -204,7 +209,7 @@ def start_runner(model_dir: str | Path, settings: Settings):
     if settings.rank is None:  # all ranks here: start the others
         host, port = _store_address(settings) if settings.distributed_init else ("127.0.0.1", 0)
         store = dist.TCPStore(host, port, n, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
-        _cpu_threads(settings, n)
+        _set_threads(local_threads(settings))
         local_ranks = LocalRanks(settings, host, store.port)
         try:
             local_ranks.wait_joined(store, JOIN_TIMEOUT)
@@ -214,7 +219,7 @@ def start_runner(model_dir: str | Path, settings: Settings):
     else:
         host, port = _store_address(settings)
         store = dist.TCPStore(host, port, n, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
-        _cpu_threads(settings, 1)
+        _set_threads(settings.num_threads)
     try:
         tp, channel = _join(0, n, store, config.device)
         runner = ModelRunner(model_dir, config, tp)
@@ -240,7 +245,7 @@ def run_rank(model_dir: str | Path, settings: Settings) -> int:
     store = dist.TCPStore(host, port, n, is_master=False, timeout=JOIN_TIMEOUT)
     store.set(f"joined/{rank}", "1")
     config = _runner_config(settings, rank)
-    _cpu_threads(settings, n if host in ("127.0.0.1", "localhost", "::1") else 1)
+    _set_threads(settings.num_threads)  # rank 0 sets it for the ranks it starts
     tp, channel = _join(rank, n, store, config.device)
     runner = ModelRunner(model_dir, config, tp)
     log.info("tensor-parallel rank %d of %d ready", rank, n)
