@@ -29,6 +29,9 @@ class GenerationOutput:
     finish_reason: str  # "stop" or "length"
     logprobs: list[float] | None
     usage: Usage
+    # when sampling.top_logprobs is set: at each generated token, the most likely tokens (ids,
+    # logprobs), best first
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -141,6 +144,9 @@ class LLM:
         logprobs = None
         if last.logprobs is not None:
             logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+        top = None
+        if last.top_logprobs is not None:
+            top = [t for d in deltas for t in (d.top_logprobs or [])]
         return GenerationOutput(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -149,4 +155,5 @@ class LLM:
             finish_reason=last.finish_reason.value,
             logprobs=logprobs,
             usage=last.usage,
+            top_logprobs=top,
         )

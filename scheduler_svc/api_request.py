@@ -185,7 +185,7 @@ async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages
             if not ids:
                 raise ValueError("prompt encodes to no tokens")
         validate_prompt_tokens(ids, sampling, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                               strict_length=True)
+                               strict_length=True, max_num_seqs=info.max_num_seqs)
     except ValueError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     try:

@@ -320,11 +320,19 @@ class ApiServer:
             rids = np.frombuffer(msg.rids, dtype=_I64).tolist()
             tokens = np.frombuffer(msg.token_ids, dtype=_I32).tolist()
             logprobs = np.frombuffer(msg.logprobs, dtype=_F32).tolist() if msg.logprobs else None
+            k = msg.num_top_logprobs
+            if k:
+                top_ids = np.frombuffer(msg.top_token_ids, dtype=_I32).reshape(-1, k).tolist()
+                top_lps = np.frombuffer(msg.top_logprobs, dtype=_F32).reshape(-1, k).tolist()
             for i, rid in enumerate(rids):
                 p = pending.get(rid)
                 if p is None:
                     continue  # ended here already (stop string, client gone): never streamed or counted
-                if p.stream.add_token(tokens[i], logprobs[i] if logprobs is not None else None):
+                top = None
+                if k and p.stream.want_top_logprobs:
+                    n = p.stream.want_top_logprobs
+                    top = (top_ids[i][:n], top_lps[i][:n])
+                if p.stream.add_token(tokens[i], logprobs[i] if logprobs is not None else None, top):
                     self._stops.append(rid)
                 touched[rid] = p
         if msg.finished_rids:
@@ -413,6 +421,11 @@ def _response(request_id: str, items: list[RequestOutput]) -> pb.GenerateRespons
         )
     if last.logprobs is not None:
         resp.logprobs.extend(lp for it in items for lp in (it.logprobs or ()))
+    if last.top_logprobs is not None:
+        resp.top_logprobs.extend(pb.TopLogprobs(token_ids=ids, logprobs=lps)
+                                 for it in items for ids, lps in (it.top_logprobs or ()))
+    if last.index:
+        resp.index = last.index
     if last.usage is not None:
         u = last.usage
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,

@@ -83,6 +83,10 @@ class RequestOutput:
     usage: Usage | None = None
     # on a request's first token delta from the engine: prompt tokens served from the prefix cache
     num_cached_prompt_tokens: int | None = None
+    # aligned with token_ids when sampling.top_logprobs is set: (token ids, logprobs), best first
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # which of the request's n samples this is
+    index: int = 0
 
     @property
     def finished(self) -> bool:
@@ -90,7 +94,7 @@ class RequestOutput:
 
 
 def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vocab_size: int, max_model_len: int,
-                           strict_length: bool) -> None:
+                           strict_length: bool, max_num_seqs: int | None = None) -> None:
     """Check a tokenized request against the engine's limits (``ValueError`` says what is
     wrong). ``strict_length`` rejects prompt + max_tokens beyond the model length (the gRPC
     contract); without it generation simply stops at the model length ("length"). The API
@@ -101,6 +105,15 @@ def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vo
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
     sampling.validate()
+    bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if max_num_seqs is not None and sampling.n > max_num_seqs:
+        raise ValueError(f"n ({sampling.n}) exceeds max_num_seqs ({max_num_seqs}): the samples run together")
+    if sampling.structured_output is not None:
+        from pagewire_common.grammar import check_grammar  # torch-free
+
+        check_grammar(*sampling.structured_output)
     n = len(token_ids)
     if n >= max_model_len:
         raise ValueError(
@@ -149,7 +162,8 @@ class EngineCore:
             raise ValueError("a request needs a prompt (the engine core takes token ids)")
         token_ids = [int(t) for t in prompt_token_ids]
         validate_prompt_tokens(token_ids, sampling, vocab_size=self.worker_info.vocab_size,
-                               max_model_len=self.max_model_len, strict_length=strict_length)
+                               max_model_len=self.max_model_len, strict_length=strict_length,
+                               max_num_seqs=self.config.max_num_seqs)
         return token_ids
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
@@ -234,6 +248,8 @@ class EngineCore:
         for seq in touched:
             out = RequestOutput(seq.request_id, [seq.token_ids[-1]], "", seq.finish_reason,
                                 [seq.logprobs[-1]] if seq.sampling.logprobs else None)
+            if seq.sampling.top_logprobs:
+                out.top_logprobs = [seq.top_logprobs[-1]]
             if seq.finish_reason is not None:
                 out.usage = usage_of(seq)
             if len(seq.token_ids) - seq.num_prompt_tokens == 1:

@@ -56,6 +56,7 @@ class Scheduler:
         stops = frozenset(params.stop_token_ids)
         seq.stop_token_set = stops if params.ignore_eos else stops | self.eos_token_ids
         seq.max_num_tokens = min(seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
+        seq.min_num_tokens = seq.num_prompt_tokens + params.min_tokens
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
@@ -208,6 +209,8 @@ class Scheduler:
                     num_computed_tokens=seq.num_computed_tokens,
                     num_scheduled_tokens=num_new,
                     sampling=seq.sampling,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    stop_token_ids=tuple(sorted(seq.stop_token_set)) if seq.sampling.min_tokens else (),
                 )
             )
             seq.is_known_to_worker = True
@@ -264,6 +267,7 @@ class Scheduler:
         touched: list[Sequence] = []
         seqs = self.seqs
         logprobs = result.logprobs
+        num_top = result.num_top_logprobs
         for i, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.token_ids)):
             seq = seqs.get(seq_id)
             if seq is None or seq.num_pending_tokens == 0:
@@ -273,8 +277,13 @@ class Scheduler:
             tokens.append(token_id)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])
+            if num_top and seq.sampling.top_logprobs:
+                start = i * num_top
+                end = start + seq.sampling.top_logprobs
+                seq.top_logprobs.append((result.top_token_ids[start:end], result.top_logprobs[start:end]))
             touched.append(seq)
-            if token_id in seq.stop_token_set:
+            # the worker masks stop tokens before min_tokens; a stop there is an ordinary token
+            if token_id in seq.stop_token_set and len(tokens) > seq.min_num_tokens:
                 self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos) or a stop token id
             elif len(tokens) >= seq.max_num_tokens:
                 self.finish(seq, FinishReason.LENGTH)  # max_tokens or the model length
