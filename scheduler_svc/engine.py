@@ -177,8 +177,19 @@ class EngineCore:
                                                                      strict_length=strict_length)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=token_ids,
                        sampling=sampling)
+        # n > 1: the other samples wait on sample 0, which forks them once its prompt is computed
+        for index in range(1, sampling.n):
+            sample_id = sample_request_id(request_id, index)
+            if sample_id in self._requests:
+                raise ValueError(f"request id {sample_id!r} is already in flight")
+            sample = Sequence(seq_id=next(self._seq_ids), request_id=sample_id, prompt_token_ids=token_ids,
+                              sampling=dataclasses.replace(sampling, seed=sample_seed(sampling.seed, index)),
+                              sample_index=index)
+            seq.unforked_samples.append(sample)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
+        for sample in seq.unforked_samples:
+            self._requests[sample.request_id] = sample
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -194,6 +205,8 @@ class EngineCore:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return False
+        for sample in seq.unforked_samples:  # aborted before its prompt was computed
+            self._end(sample.request_id, reason)
         self.scheduler.finish(seq, reason)
         if reason is FinishReason.ABORT:
             self.num_aborted += 1
@@ -247,7 +260,7 @@ class EngineCore:
         outs = []
         for seq in touched:
             out = RequestOutput(seq.request_id, [seq.token_ids[-1]], "", seq.finish_reason,
-                                [seq.logprobs[-1]] if seq.sampling.logprobs else None)
+                                [seq.logprobs[-1]] if seq.sampling.logprobs else None, index=seq.sample_index)
             if seq.sampling.top_logprobs:
                 out.top_logprobs = [seq.top_logprobs[-1]]
             if seq.finish_reason is not None:
@@ -308,6 +321,18 @@ class EngineCore:
         lost = list(self._requests)
         self._requests.clear()
         return lost
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The engine's id of sample ``index`` of a request with n > 1 (sample 0 keeps the request's)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index``'s seed: distinct per sample, the same in every run."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
 
 
 def usage_of(seq: Sequence) -> Usage:

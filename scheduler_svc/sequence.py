@@ -59,6 +59,11 @@ class Sequence:
     max_num_tokens: int = 0
     # a stop token ends the sequence only once it holds more than this many tokens (min_tokens)
     min_num_tokens: int = 0
+    # n > 1: which sample this is, and (on sample 0) the other samples, forked from it once its
+    # prompt is computed
+    sample_index: int = 0
+    unforked_samples: list["Sequence"] = field(default_factory=list)
+    fork_allocation: object | None = None  # the blocks a forked sample starts with (next plan)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -211,3 +211,68 @@ def test_engine_rejects_bias_outside_vocabulary_and_n_beyond_max_num_seqs(model_
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate([[1, 2, 3]], SamplingParams(n=9))
     assert llm.engine.num_requests == 0 and not llm.engine.has_unfinished()
+
+
+# ---- n samples --------------------------------------------------------------------------------
+
+
+def test_n_samples_share_the_prompt_blocks_then_sample_on_their_own(model_dir):
+    llm = LLM(model_dir, block_size=4, max_num_batched_tokens=64, num_kv_blocks=200)
+    engine, allocator = llm.engine, llm.allocator
+    prompt = sample_prompts(model_dir, n=8)[5]  # 50 tokens: 12 full blocks and a partial one
+    sp = SamplingParams(temperature=1.0, seed=7, max_tokens=12, n=4)
+    parent = engine.add_request("r", prompt, sp)
+    engine.step()  # the prompt, once
+    samples = [engine._requests[f"r#{i}"] for i in (1, 2, 3)]
+    shared = allocator.block_ids(parent.seq_id)[: len(prompt) // 4]
+    for sample in samples:
+        assert allocator.block_ids(sample.seq_id)[:-1] == shared
+        assert allocator.block_ids(sample.seq_id)[-1] != allocator.block_ids(parent.seq_id)[-1]  # copied
+    assert [allocator._ref_counts[b] for b in shared] == [4] * len(shared)
+    allocator.check_integrity()
+    while engine.has_unfinished():
+        engine.step()
+    engine.drain()
+    assert_all_free(llm)
+
+    # the same through generate: each sample streams and finishes with its own usage; seeded runs
+    # are identical and the samples differ from each other
+    first = llm.generate([prompt], sp)[0]
+    again = llm.generate([prompt], sp)[0]
+    assert [s.index for s in first.samples] == [0, 1, 2, 3]
+    assert [s.token_ids for s in first.samples] == [s.token_ids for s in again.samples]
+    assert len({tuple(s.token_ids) for s in first.samples}) == 4
+    for s in first.samples:
+        assert s.usage.completion_tokens == len(s.token_ids) and s.usage.prompt_tokens == len(prompt)
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_n_greedy_samples_equal_one_greedy_run_under_preemption(model_dir, overlap):
+    """Greedy samples are all the plain greedy continuation, whatever forks, copies and
+    preemptions happen (tight blocks, several requests with n > 1 in one batch)."""
+    prompts = sample_prompts(model_dir, n=6)
+    llm = LLM(model_dir, block_size=4, max_num_batched_tokens=32, num_kv_blocks=90)
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=1 + i % 3) for i in range(len(prompts))]
+    if overlap:
+        outs = run_n(llm, prompts, params)
+    else:
+        outs = [[s.token_ids for s in (o.samples or [o])] for o in llm.generate(prompts, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    for i, (p, samples) in enumerate(zip(plain, outs)):
+        assert samples == [p.token_ids] * params[i].n
+    assert_all_free(llm)
+
+
+def run_n(llm, prompts, params):
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"q{i}", p, sp)
+    link = ImmediateLink(llm.runner)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished() or engine.num_in_flight:
+        for out in engine.pipeline_step(link, 2):
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    engine.drain()
+    return [[tokens[f"q{i}" + (f"#{j}" if j else "")] for j in range(sp.n)] for i, sp in enumerate(params)]
