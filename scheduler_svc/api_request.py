@@ -82,7 +82,7 @@ class ApiRequest:
     is aborted, its blocks freed within a step)."""
 
     __slots__ = ("api", "rid", "request_id", "prompt_token_ids", "sampling", "outbox", "finished",
-                 "arrival", "first_token_at", "last_token_at", "num_output_tokens")
+                 "arrival", "first_token_at", "last_token_at", "num_output_tokens", "num_unfinished")
 
     def __init__(self, api: ApiServer, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
         self.api = api
@@ -94,6 +94,7 @@ class ApiRequest:
         self.arrival = time.monotonic()
         self.first_token_at = self.last_token_at = None
         self.num_output_tokens = 0
+        self.num_unfinished = sampling.n  # samples still running (n > 1: each finishes on its own)
         self.rid = api.submit(request_id, prompt_token_ids, sampling, self.outbox, self)
 
     async def __aiter__(self) -> AsyncIterator[list[RequestOutput]]:
@@ -104,7 +105,8 @@ class ApiRequest:
                 self.finished = True
                 raise RequestError(last.code, last.message)
             self._observe(items)
-            self.finished = last.finished
+            self.num_unfinished -= sum(it.finished for it in items)
+            self.finished = self.num_unfinished == 0
             yield items
 
     def started(self) -> None:
@@ -137,7 +139,8 @@ class ApiRequest:
         self.outbox.release()
         if not self.finished:  # cancelled, deadline passed, or the client went away
             self.finished = True
-            self.api.abort(self.rid)
+            for index in range(self.sampling.n):
+                self.api.abort(self.rid + index)
 
 
 async def open_request(api: ApiServer, *, request_id: str = "", sampling: SamplingParams | None = None,

@@ -25,6 +25,7 @@ from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import sample_request_id
 from scheduler_svc.engine import EngineCore, WorkerInfo
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import Tokenizer
@@ -347,8 +348,11 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                          f"the queue is full ({limit} requests waiting); retry later")
             return
         engine.add_request(key, token_ids, sampling, validated=True)
-        client.rids[rid] = key
-        self._owners[key] = _Owner(client, rid, len(token_ids) + 1)
+        # sample i of n is rid + i (the API server reserved them)
+        for index in range(sampling.n):
+            sample_key = sample_request_id(key, index)
+            client.rids[rid + index] = sample_key
+            self._owners[sample_key] = _Owner(client, rid + index, len(token_ids) + 1)
         self.num_submitted += 1
 
     # ---- the engine task -----------------------------------------------------------------------

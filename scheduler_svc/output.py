@@ -21,7 +21,7 @@ class TextStream:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "want_logprobs", "logprobs", "detokenizer",
         "detokenize_each_token", "num_streamed_tokens", "held_text", "finish_reason", "num_cached_prompt_tokens",
-        "stream_interval", "want_top_logprobs", "top_logprobs", "index",
+        "stream_interval", "want_top_logprobs", "top_logprobs", "index", "n",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -36,6 +36,7 @@ class TextStream:
         self.want_top_logprobs = sampling.top_logprobs
         self.top_logprobs: list[tuple[list[int], list[float]]] = []
         self.index = index  # which of the request's n samples
+        self.n = sampling.n
         self.detokenizer = (
             IncrementalDetokenizer.for_prompt(tokenizer, self.num_prompt_tokens, sampling.stop)
             if tokenizer is not None else None

@@ -97,3 +97,21 @@ def test_bad_values_are_invalid_argument_and_nothing_is_queued(services, samplin
     assert fragment in e.value.details()
     stats = s.GetStats(pb.StatsRequest())
     assert stats.num_requests_rejected == before + 1 and stats.num_waiting == 0 and stats.num_running == 0
+
+
+def test_n_samples_stream_on_their_own_and_match_the_offline_api(services, offline, model_dir):
+    prompt = sample_prompts(model_dir, n=8)[5]
+    sp = SamplingParams(temperature=2.0, seed=11, max_tokens=10, n=4, top_logprobs=2)
+    expected = offline.generate([prompt], sp)[0].samples
+    responses = list(stub(services).Generate(pb.GenerateRequest(prompt_token_ids=prompt,
+                                                                sampling=wire.sampling_to_pb(sp))))
+    for index in range(4):
+        mine = [r for r in responses if r.index == index]
+        ids = [t for r in mine for t in r.token_ids]
+        assert ids == expected[index].token_ids
+        assert len([t for r in mine for t in r.top_logprobs]) == len(ids)
+        finals = [r for r in mine if r.finish_reason != pb.UNSPECIFIED]
+        assert len(finals) == 1 and finals[0] is mine[-1]
+        assert finals[0].usage.completion_tokens == len(ids) and finals[0].usage.prompt_tokens == len(prompt)
+    assert len({tuple(s.token_ids) for s in expected}) == 4
+    assert_all_blocks_free(services)
