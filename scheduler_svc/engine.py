@@ -114,6 +114,9 @@ def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vo
         from pagewire_common.grammar import check_grammar  # torch-free
 
         check_grammar(*sampling.structured_output)
+        # the grammar checks out, but the worker does not apply grammar masks yet: refuse rather
+        # than return unconstrained text
+        raise ValueError("structured output (json_schema, regex, grammar) is not served yet")
     n = len(token_ids)
     if n >= max_model_len:
         raise ValueError(
