@@ -245,6 +245,30 @@ class BlockAllocator:
         self._seq_block_hashes[seq_id] = matched_hashes
         return Allocation(list(block_ids), num_cached_tokens, copies)
 
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> Allocation | None:
+        """Give a new sequence the parent's first ``num_tokens`` tokens of K/V (n samples of one
+        prompt): it shares the blocks before the one holding token ``num_tokens - 1`` (their
+        refcounts go up) and gets a private copy of that one, where it computes that token again
+        to sample its own next token. None, with nothing changed, if no block is free."""
+        if child_id in self._seq_block_ids:
+            raise ValueError(f"seq_id {child_id} already holds blocks")
+        parent = self._blocks_of(parent_id)
+        num_blocks = self.num_blocks_for(num_tokens)
+        if not 0 < num_tokens <= self._seq_num_tokens[parent_id]:
+            raise ValueError(f"seq {parent_id}: cannot fork {num_tokens} of its {self._seq_num_tokens[parent_id]} tokens")
+        if self._num_free < 1:
+            return None
+        shared = parent[: num_blocks - 1]
+        for block_id in shared:
+            self._acquire(block_id)
+        src = parent[num_blocks - 1]
+        block_ids = shared + [self._pop_free()]
+        self._seq_block_ids[child_id] = block_ids
+        self._seq_num_tokens[child_id] = num_tokens
+        # the copy's hash is registered again by cache_blocks once it is full (a duplicate)
+        self._seq_block_hashes[child_id] = self._seq_block_hashes[parent_id][: num_blocks - 1]
+        return Allocation(list(block_ids), num_tokens - 1, [(src, block_ids[-1])])
+
     def grow_in_place(self, seq_id: int, num_tokens: int) -> bool:
         """The common decode case of ``append_slots``, without building a result: growth to
         ``num_tokens`` whose new tokens all land in the sequence's private last block changes no

@@ -12,7 +12,7 @@ from typing import Sequence as Seq
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import SETTING_NAMES, Settings
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import EngineCore, RequestOutput, Usage, WorkerInfo
+from scheduler_svc.engine import EngineCore, RequestOutput, Usage, WorkerInfo, sample_request_id
 from scheduler_svc.output import OutputProcessor
 from scheduler_svc.tokenizer import Tokenizer
 
@@ -30,6 +30,12 @@ class GenerationOutput:
     finish_reason: str  # "stop" or "length"
     logprobs: list[float] | None
     usage: Usage
+    # when sampling.top_logprobs is set: at each generated token, the most likely tokens (ids,
+    # logprobs), best first
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # which of the n samples this is; with n > 1, the first one lists all n here, in order
+    index: int = 0
+    samples: list["GenerationOutput"] | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -124,10 +130,13 @@ class LLM:
         engine = self.engine
         processor = OutputProcessor(self.tokenizer)
         request_ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
-        collected: dict[str, list[RequestOutput]] = {rid: [] for rid in request_ids}
+        collected: dict[str, list[RequestOutput]] = {}
         for rid, ids, sp in zip(request_ids, token_lists, params):
             engine.add_request(rid, ids, sp)
-            processor.add(rid, ids, sp)
+            for index in range(sp.n):
+                sample_id = sample_request_id(rid, index)
+                collected[sample_id] = []
+                processor.add(sample_id, ids, sp).index = index
         try:
             while engine.has_unfinished():
                 outputs, stopped = processor.process(engine.step())
@@ -137,10 +146,17 @@ class LLM:
                     collected[out.request_id].append(out)
             engine.drain()  # drop the finished sequences' worker state too
         except BaseException:
-            for rid in request_ids:
-                engine.abort(rid)
+            for rid, sp in zip(request_ids, params):
+                for index in range(sp.n):
+                    engine.abort(sample_request_id(rid, index))
             raise
-        return [self._merge(rid, ids, collected[rid]) for rid, ids in zip(request_ids, token_lists)]
+        outputs = []
+        for rid, ids, sp in zip(request_ids, token_lists, params):
+            samples = [self._merge(rid, ids, collected[sample_request_id(rid, i)]) for i in range(sp.n)]
+            if sp.n > 1:
+                samples[0].samples = samples
+            outputs.append(samples[0])
+        return outputs
 
     def _tokenize(self, prompt) -> list[int]:
         if not isinstance(prompt, str):
@@ -160,6 +176,9 @@ class LLM:
         logprobs = None
         if last.logprobs is not None:
             logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+        top = None
+        if last.top_logprobs is not None:
+            top = [t for d in deltas for t in (d.top_logprobs or [])]
         return GenerationOutput(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -168,6 +187,8 @@ class LLM:
             finish_reason=last.finish_reason.value,
             logprobs=logprobs,
             usage=last.usage,
+            top_logprobs=top,
+            index=last.index,
         )
 
 

@@ -20,7 +20,10 @@ class NewSequence:
 
     ``token_ids`` is every token known so far (the prompt, plus tokens generated before a
     preemption). The first ``num_computed_tokens`` already have K/V in ``block_ids`` (prefix
-    cache hits); this step computes the next ``num_scheduled_tokens``.
+    cache hits); this step computes the next ``num_scheduled_tokens``. The first
+    ``num_prompt_tokens`` of ``token_ids`` are the prompt (0: all of them). ``stop_token_ids``
+    (the ids that end the sequence) are sent when ``sampling.min_tokens`` asks the worker to mask
+    them.
     """
 
     seq_id: int
@@ -29,6 +32,8 @@ class NewSequence:
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling: SamplingParams
+    num_prompt_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -72,9 +77,14 @@ class StepPlan:
 @dataclass(slots=True)
 class StepResult:
     """Tokens sampled in one step: one per sequence that reached the end of its known tokens.
-    ``logprobs`` is aligned with ``token_ids`` (NaN for sequences that did not ask)."""
+    ``logprobs`` is aligned with ``token_ids`` (NaN for sequences that did not ask).
+    ``top_token_ids``/``top_logprobs`` hold ``num_top_logprobs`` entries per row, best first
+    (a sequence that asked for fewer takes the first ones), when some sequence asked."""
 
     step_id: int
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    num_top_logprobs: int = 0
+    top_token_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None

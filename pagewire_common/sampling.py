@@ -5,10 +5,16 @@ Pure Python: the scheduler imports this and must never pull in torch.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 _MAX_SEED = 2**64 - 1
+MAX_TOP_LOGPROBS = 20
+# OpenAI's ranges: a penalty or bias beyond them only ever makes a token certain or impossible
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +27,20 @@ class SamplingParams:
     end generation and are cut from the returned text; ``stop_token_ids`` end it and are kept
     in ``token_ids``. ``logprobs`` asks for the log-probability of each sampled token under the
     model's distribution (before temperature and filters).
+
+    Logit adjustments, applied on the device in this order: ``logit_bias`` (token id -> value
+    added to its logit), ``min_tokens`` (EOS and ``stop_token_ids`` cannot end the sequence
+    before that many generated tokens), ``repetition_penalty`` (transformers' rule over prompt
+    and generated tokens: positive logits divided, negative ones multiplied; 1 is off),
+    ``presence_penalty``/``frequency_penalty`` (OpenAI's rule over generated tokens: minus
+    ``presence`` once a token appeared, minus ``frequency`` per occurrence), then temperature,
+    ``min_p`` (drop tokens below ``min_p`` times the top probability), top-k and top-p.
+    ``top_logprobs`` asks for the most likely tokens at each step with their log-probabilities;
+    like ``logprobs`` they are the model's distribution before any adjustment.
+
+    ``n`` samples are drawn from one prompt (prefilled once, its KV blocks shared).
+    At most one of ``json_schema`` (a JSON schema, as text or a dict), ``regex`` and ``grammar``
+    (EBNF/GBNF) constrains the output; the sequence ends when the grammar is complete.
     """
 
     temperature: float = 1.0
@@ -32,6 +52,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    n: int = 1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # a mapping token id -> bias; kept as (token id, bias) pairs sorted by id, so the params
+    # stay hashable
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    top_logprobs: int = 0
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples so the params stay hashable.
@@ -40,6 +73,15 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if hasattr(bias, "items") else bias
+        try:
+            pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+        object.__setattr__(self, "logit_bias", pairs)
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         self.validate()
 
     def validate(self) -> None:
@@ -64,7 +106,49 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not (0.0 <= self.min_p <= 1.0):  # also false for NaN
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY):
+                raise ValueError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
+            if not (-MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], "
+                                 f"got {bias} for token {token}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of json_schema, regex and grammar may be set, got {' and '.join(given)}")
+        for name in given:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+        if given and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output (the grammar ends the sequence)")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the worker must count this sequence's tokens (repetition, presence, frequency)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def structured_output(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the grammar that constrains the output (kind is a field name), or None."""
+        for name in STRUCTURED_FIELDS:
+            text = getattr(self, name)
+            if text is not None:
+                return name, text
+        return None

@@ -53,6 +53,17 @@ def sampling_from_pb(msg: gen_pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=bool(msg.ignore_eos),
         logprobs=bool(msg.logprobs),
+        n=int(msg.n) or 1,
+        min_p=float(msg.min_p),
+        repetition_penalty=float(msg.repetition_penalty) or 1.0,
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        logit_bias=dict(msg.logit_bias),
+        min_tokens=int(msg.min_tokens),
+        top_logprobs=int(msg.top_logprobs),
+        json_schema=msg.json_schema or None,
+        regex=msg.regex or None,
+        grammar=msg.grammar or None,
     )
 
 
@@ -66,6 +77,17 @@ def sampling_to_pb(params: SamplingParams) -> gen_pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        n=params.n,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
+        top_logprobs=params.top_logprobs,
+        json_schema=params.json_schema or "",
+        regex=params.regex or "",
+        grammar=params.grammar or "",
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -86,6 +108,8 @@ def plan_to_pb(plan: StepPlan) -> worker_pb.StepPlan:
                 num_computed_tokens=s.num_computed_tokens,
                 num_scheduled_tokens=s.num_scheduled_tokens,
                 sampling=sampling_to_pb(s.sampling),
+                num_prompt_tokens=s.num_prompt_tokens,
+                stop_token_ids=_bytes(s.stop_token_ids, _I32) if s.stop_token_ids else b"",
             )
         )
     running = plan.running_seqs
@@ -114,6 +138,8 @@ def plan_from_pb(msg: worker_pb.StepPlan) -> StepPlan:
             num_computed_tokens=s.num_computed_tokens,
             num_scheduled_tokens=s.num_scheduled_tokens,
             sampling=sampling_from_pb(s.sampling),
+            num_prompt_tokens=s.num_prompt_tokens,
+            stop_token_ids=tuple(_ints(s.stop_token_ids, _I32)),
         )
         for s in msg.new_seqs
     ]
@@ -154,6 +180,10 @@ def result_to_pb(result: StepResult) -> worker_pb.StepResult:
     )
     if result.logprobs is not None:
         msg.logprobs = _bytes(result.logprobs, _F32)
+    if result.num_top_logprobs:
+        msg.num_top_logprobs = result.num_top_logprobs
+        msg.top_token_ids = _bytes(result.top_token_ids, _I32)
+        msg.top_logprobs = _bytes(result.top_logprobs, _F32)
     return msg
 
 
@@ -163,4 +193,7 @@ def result_from_pb(msg: worker_pb.StepResult) -> StepResult:
         seq_ids=_ints(msg.seq_ids, _I64),
         token_ids=_ints(msg.token_ids, _I32),
         logprobs=np.frombuffer(msg.logprobs, dtype=_F32).tolist() if msg.logprobs else None,
+        num_top_logprobs=msg.num_top_logprobs,
+        top_token_ids=_ints(msg.top_token_ids, _I32) if msg.num_top_logprobs else None,
+        top_logprobs=np.frombuffer(msg.top_logprobs, dtype=_F32).tolist() if msg.num_top_logprobs else None,
     )

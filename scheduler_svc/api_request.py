@@ -83,7 +83,7 @@ class ApiRequest:
     is aborted, its blocks freed within a step)."""
 
     __slots__ = ("api", "rid", "request_id", "prompt_token_ids", "sampling", "outbox", "finished",
-                 "arrival", "first_token_at", "last_token_at", "num_output_tokens")
+                 "arrival", "first_token_at", "last_token_at", "num_output_tokens", "num_unfinished", "was_started")
 
     def __init__(self, api: ApiServer, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
         self.api = api
@@ -95,6 +95,8 @@ class ApiRequest:
         self.arrival = time.monotonic()
         self.first_token_at = self.last_token_at = None
         self.num_output_tokens = 0
+        self.num_unfinished = sampling.n  # samples still running (n > 1: each finishes on its own)
+        self.was_started = False
         self.rid = api.submit(request_id, prompt_token_ids, sampling, self.outbox, self)
 
     async def __aiter__(self) -> AsyncIterator[list[RequestOutput]]:
@@ -105,11 +107,15 @@ class ApiRequest:
                 self.finished = True
                 raise RequestError(last.code, last.message)
             self._observe(items)
-            self.finished = last.finished
+            self.num_unfinished -= sum(it.finished for it in items)
+            self.finished = self.num_unfinished == 0
             yield items
 
     def started(self) -> None:
         """The core scheduled the request for the first time: its time in the queue ends."""
+        if self.was_started:  # the other samples of n > 1 start later, from the same prompt
+            return
+        self.was_started = True
         if self.api.metrics is not None:
             self.api.metrics.queue_time(time.monotonic() - self.arrival, len(self.prompt_token_ids))
 
@@ -126,15 +132,17 @@ class ApiRequest:
                 self.first_token_at = now
             self.last_token_at = now
             self.num_output_tokens += n
-        last = items[-1]
-        if last.finished and metrics is not None:
-            metrics.finished(last.finish_reason.value, now - self.arrival)
+        if metrics is not None:
+            for it in items:  # each sample counts as it finishes
+                if it.finished:
+                    metrics.finished(it.finish_reason.value, now - self.arrival)
 
     def close(self) -> None:
         self.outbox.release()
         if not self.finished:  # cancelled, deadline passed, or the client went away
             self.finished = True
-            self.api.abort(self.rid)
+            for index in range(self.sampling.n):
+                self.api.abort(self.rid + index)
             if self.api.metrics is not None:
                 self.api.metrics.finished("abort", time.monotonic() - self.arrival)
 
@@ -190,7 +198,7 @@ async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages
         if fill_max_tokens:
             sampling = dataclasses.replace(sampling, max_tokens=max(1, info.max_model_len - len(ids)))
         validate_prompt_tokens(ids, sampling, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-                               strict_length=True)
+                               strict_length=True, max_num_seqs=info.max_num_seqs)
     except ValueError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     try:

@@ -146,8 +146,12 @@ class ApiServer:
         if not self.connected.is_set():
             raise NotReadyError("the worker is not connected" if self.core_connected else "the scheduler core is not connected")
         rid = next(self._rids)
-        self.pending[rid] = _Pending(
-            TextStream(request_id, token_ids, sampling, self.model.tokenizer, self.stream_interval), outbox, request)
+        # n > 1: the samples are the n consecutive rids from this one, each with its own stream
+        for index in range(1, sampling.n):
+            next(self._rids)
+        for index in range(sampling.n):
+            stream = TextStream(request_id, token_ids, sampling, self.model.tokenizer, self.stream_interval, index)
+            self.pending[rid + index] = _Pending(stream, outbox, request)
         self._out.adds.append(core_pb2.CoreAdd(
             rid=rid, prompt_token_ids=np.asarray(token_ids, dtype=_I32).tobytes(),
             sampling=wire.sampling_to_pb(sampling), request_id=request_id))
@@ -309,6 +313,8 @@ class ApiServer:
             p = pending.pop(err.rid, None)
             if p is not None:
                 p.outbox.put_nowait(Failure(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message))
+                for index in range(1, p.stream.n):  # a refused request's other samples never ran
+                    pending.pop(err.rid + index, None)
         if msg.started_rids:
             cached = np.frombuffer(msg.num_cached_prompt_tokens, dtype=_I32).tolist()
             for rid, n in zip(np.frombuffer(msg.started_rids, dtype=_I64).tolist(), cached):
@@ -322,11 +328,19 @@ class ApiServer:
             rids = np.frombuffer(msg.rids, dtype=_I64).tolist()
             tokens = np.frombuffer(msg.token_ids, dtype=_I32).tolist()
             logprobs = np.frombuffer(msg.logprobs, dtype=_F32).tolist() if msg.logprobs else None
+            k = msg.num_top_logprobs
+            if k:
+                top_ids = np.frombuffer(msg.top_token_ids, dtype=_I32).reshape(-1, k).tolist()
+                top_lps = np.frombuffer(msg.top_logprobs, dtype=_F32).reshape(-1, k).tolist()
             for i, rid in enumerate(rids):
                 p = pending.get(rid)
                 if p is None:
                     continue  # ended here already (stop string, client gone): never streamed or counted
-                if p.stream.add_token(tokens[i], logprobs[i] if logprobs is not None else None):
+                top = None
+                if k and p.stream.want_top_logprobs:
+                    n = p.stream.want_top_logprobs
+                    top = (top_ids[i][:n], top_lps[i][:n])
+                if p.stream.add_token(tokens[i], logprobs[i] if logprobs is not None else None, top):
                     self._stops.append(rid)
                 touched[rid] = p
         if msg.finished_rids:
@@ -392,9 +406,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
         try:
-            # deltas that piled up while this stream was being written go out as one message
+            # deltas that piled up while this stream was being written go out as one message (one
+            # per sample when n > 1)
             async for items in req:
-                yield _response(req.request_id, items)
+                if req.sampling.n == 1:
+                    yield _response(req.request_id, items)
+                    continue
+                for index in sorted({it.index for it in items}):
+                    yield _response(req.request_id, [it for it in items if it.index == index])
         except RequestError as e:
             await context.abort(e.code, e.message)
         finally:
@@ -415,6 +434,11 @@ def _response(request_id: str, items: list[RequestOutput]) -> pb.GenerateRespons
         )
     if last.logprobs is not None:
         resp.logprobs.extend(lp for it in items for lp in (it.logprobs or ()))
+    if last.top_logprobs is not None:
+        resp.top_logprobs.extend(pb.TopLogprobs(token_ids=ids, logprobs=lps)
+                                 for it in items for ids, lps in (it.top_logprobs or ()))
+    if last.index:
+        resp.index = last.index
     if last.usage is not None:
         u = last.usage
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,

@@ -25,6 +25,7 @@ from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import sample_request_id
 from scheduler_svc.engine import EngineCore, WorkerInfo
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import Tokenizer
@@ -89,6 +90,8 @@ class ApiClient:
         self.out_tokens: list[int] = []
         self.out_logprobs: list[float] = []
         self.any_logprobs = False
+        # (token ids, logprobs) of each entry's most likely tokens, once some request asked
+        self.out_top: list[tuple[list[int], list[float]] | None] | None = None
         self.finished_rids: list[int] = []
         self.finish_reasons: list[int] = []
         self.started_rids: list[int] = []
@@ -107,6 +110,8 @@ class ApiClient:
             msg.token_ids = np.asarray(self.out_tokens, dtype=_I32).tobytes()
             if self.any_logprobs:
                 msg.logprobs = np.asarray(self.out_logprobs, dtype=_F32).tobytes()
+            if self.out_top is not None:
+                _pack_top_logprobs(msg, self.out_top)
         if self.finished_rids:
             msg.finished_rids = np.asarray(self.finished_rids, dtype=_I64).tobytes()
             msg.finish_reasons = np.asarray(self.finish_reasons, dtype=_I32).tobytes()
@@ -346,8 +351,11 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                          f"the queue is full ({limit} requests waiting); retry later")
             return
         engine.add_request(key, token_ids, sampling, validated=True)
-        client.rids[rid] = key
-        self._owners[key] = _Owner(client, rid, len(token_ids) + 1)
+        # sample i of n is rid + i (the API server reserved them)
+        for index in range(sampling.n):
+            sample_key = sample_request_id(key, index)
+            client.rids[rid + index] = sample_key
+            self._owners[sample_key] = _Owner(client, rid + index, len(token_ids) + 1)
         self.num_submitted += 1
 
     # ---- the engine task -----------------------------------------------------------------------
@@ -496,6 +504,10 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             elif seq.sampling.logprobs:
                 client.any_logprobs = True
                 client.out_logprobs = [NAN] * (len(client.out_rids) - 1) + [seq.logprobs[-1]]
+            if client.out_top is not None:
+                client.out_top.append(seq.top_logprobs[-1] if seq.sampling.top_logprobs else None)
+            elif seq.sampling.top_logprobs:
+                client.out_top = [None] * (len(client.out_rids) - 1) + [seq.top_logprobs[-1]]
             if len(tokens) == owner.first_len:
                 client.started_rids.append(rid)
                 client.started_cached.append(seq.num_cached_prompt_tokens or 0)
@@ -530,3 +542,17 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                 client.flush()
         self._broadcast_worker_state()
 
+
+def _pack_top_logprobs(msg: core_pb2.CoreOutput, tops: list[tuple[list[int], list[float]] | None]) -> None:
+    """Each entry's most likely tokens as [entries, k] arrays (k: the most any entry has)."""
+    k = max(len(t[0]) for t in tops if t is not None)
+    ids = np.zeros((len(tops), k), dtype=_I32)
+    lps = np.full((len(tops), k), NAN, dtype=_F32)
+    for i, top in enumerate(tops):
+        if top is not None:
+            n = len(top[0])
+            ids[i, :n] = top[0]
+            lps[i, :n] = top[1]
+    msg.num_top_logprobs = k
+    msg.top_token_ids = ids.tobytes()
+    msg.top_logprobs = lps.tobytes()

@@ -83,6 +83,10 @@ class RequestOutput:
     usage: Usage | None = None
     # on a request's first token delta from the engine: prompt tokens served from the prefix cache
     num_cached_prompt_tokens: int | None = None
+    # aligned with token_ids when sampling.top_logprobs is set: (token ids, logprobs), best first
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # which of the request's n samples this is
+    index: int = 0
 
     @property
     def finished(self) -> bool:
@@ -90,7 +94,7 @@ class RequestOutput:
 
 
 def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vocab_size: int, max_model_len: int,
-                           strict_length: bool) -> None:
+                           strict_length: bool, max_num_seqs: int | None = None) -> None:
     """Check a tokenized request against the engine's limits (``ValueError`` says what is
     wrong). ``strict_length`` rejects prompt + max_tokens beyond the model length (the gRPC
     contract); without it generation simply stops at the model length ("length"). The API
@@ -101,6 +105,18 @@ def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vo
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
     sampling.validate()
+    bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if max_num_seqs is not None and sampling.n > max_num_seqs:
+        raise ValueError(f"n ({sampling.n}) exceeds max_num_seqs ({max_num_seqs}): the samples run together")
+    if sampling.structured_output is not None:
+        from pagewire_common.grammar import check_grammar  # torch-free
+
+        check_grammar(*sampling.structured_output)
+        # the grammar checks out, but the worker does not apply grammar masks yet: refuse rather
+        # than return unconstrained text
+        raise ValueError("structured output (json_schema, regex, grammar) is not served yet")
     n = len(token_ids)
     if n >= max_model_len:
         raise ValueError(
@@ -149,7 +165,8 @@ class EngineCore:
             raise ValueError("a request needs a prompt (the engine core takes token ids)")
         token_ids = [int(t) for t in prompt_token_ids]
         validate_prompt_tokens(token_ids, sampling, vocab_size=self.worker_info.vocab_size,
-                               max_model_len=self.max_model_len, strict_length=strict_length)
+                               max_model_len=self.max_model_len, strict_length=strict_length,
+                               max_num_seqs=self.config.max_num_seqs)
         return token_ids
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
@@ -163,8 +180,19 @@ class EngineCore:
                                                                      strict_length=strict_length)
         seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=token_ids,
                        sampling=sampling)
+        # n > 1: the other samples wait on sample 0, which forks them once its prompt is computed
+        for index in range(1, sampling.n):
+            sample_id = sample_request_id(request_id, index)
+            if sample_id in self._requests:
+                raise ValueError(f"request id {sample_id!r} is already in flight")
+            sample = Sequence(seq_id=next(self._seq_ids), request_id=sample_id, prompt_token_ids=token_ids,
+                              sampling=dataclasses.replace(sampling, seed=sample_seed(sampling.seed, index)),
+                              sample_index=index)
+            seq.unforked_samples.append(sample)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
+        for sample in seq.unforked_samples:
+            self._requests[sample.request_id] = sample
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -180,6 +208,8 @@ class EngineCore:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return False
+        for sample in seq.unforked_samples:  # aborted before its prompt was computed
+            self._end(sample.request_id, reason)
         self.scheduler.finish(seq, reason)
         if reason is FinishReason.ABORT:
             self.num_aborted += 1
@@ -233,7 +263,9 @@ class EngineCore:
         outs = []
         for seq in touched:
             out = RequestOutput(seq.request_id, [seq.token_ids[-1]], "", seq.finish_reason,
-                                [seq.logprobs[-1]] if seq.sampling.logprobs else None)
+                                [seq.logprobs[-1]] if seq.sampling.logprobs else None, index=seq.sample_index)
+            if seq.sampling.top_logprobs:
+                out.top_logprobs = [seq.top_logprobs[-1]]
             if seq.finish_reason is not None:
                 out.usage = usage_of(seq)
             if len(seq.token_ids) - seq.num_prompt_tokens == 1:
@@ -292,6 +324,18 @@ class EngineCore:
         lost = list(self._requests)
         self._requests.clear()
         return lost
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The engine's id of sample ``index`` of a request with n > 1 (sample 0 keeps the request's)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index``'s seed: distinct per sample, the same in every run."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
 
 
 def usage_of(seq: Sequence) -> Usage:

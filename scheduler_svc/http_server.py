@@ -183,13 +183,13 @@ class _Answer:
         self.usage = [0, 0, 0]
 
     def _index(self, i: int, out: RequestOutput) -> int:
-        return i * self.parsed.n + getattr(out, "index", 0)
+        return i * self.parsed.n + out.index
 
     def _count(self, out: RequestOutput) -> None:
         if out.usage is not None:
             u = out.usage
             self.usage[1] += u.completion_tokens
-            if not getattr(out, "index", 0):  # the samples of one prompt share it
+            if not out.index:  # the samples of one prompt share it
                 self.usage[0] += u.prompt_tokens
                 self.usage[2] += u.cached_prompt_tokens
 

@@ -9,6 +9,7 @@ servers do; a known field we cannot honour is an error rather than silently drop
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -138,6 +139,29 @@ def _prompts(value) -> list[dict]:
     raise bad("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt")
 
 
+def _structured(body: dict, put) -> None:
+    """Structured output: OpenAI's ``response_format`` and the ``guided_*`` fields other servers take."""
+    fmt = _get(body, "response_format", dict, None)
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
+            put("json_schema", json.dumps(spec["schema"]), None)
+        elif kind == "json_object":
+            put("json_schema", json.dumps({"type": "object"}), None)
+        elif kind != "text":
+            raise bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
+    guided = _get(body, "guided_json", (dict, str), None)
+    if guided is not None:
+        put("json_schema", guided if isinstance(guided, str) else json.dumps(guided), None)
+    for name, field_name in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        value = _get(body, name, str, None)
+        if value is not None:
+            put(field_name, value, None)
+
+
 def parse(body, *, chat: bool) -> ParsedRequest:
     """An OpenAI completions or chat-completions body -> ``ParsedRequest`` (``OpenAIError`` 400)."""
     if not isinstance(body, dict):
@@ -216,6 +240,7 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         put("logit_bias", bias, {})
     if n != 1:
         put("n", n, 1)
+    _structured(body, put)
 
     # logprobs: chat asks with a flag and top_logprobs; completions with the number of top tokens
     if chat:

@@ -21,11 +21,11 @@ class TextStream:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "want_logprobs", "logprobs", "detokenizer",
         "detokenize_each_token", "num_streamed_tokens", "held_text", "finish_reason", "num_cached_prompt_tokens",
-        "stream_interval",
+        "stream_interval", "want_top_logprobs", "top_logprobs", "index", "n",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 tokenizer: Tokenizer | None, stream_interval: int = 1):
+                 tokenizer: Tokenizer | None, stream_interval: int = 1, index: int = 0):
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.request_id = request_id
@@ -33,6 +33,10 @@ class TextStream:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.want_logprobs = sampling.logprobs
         self.logprobs: list[float] = []
+        self.want_top_logprobs = sampling.top_logprobs
+        self.top_logprobs: list[tuple[list[int], list[float]]] = []
+        self.index = index  # which of the request's n samples
+        self.n = sampling.n
         self.detokenizer = (
             IncrementalDetokenizer.for_prompt(tokenizer, self.num_prompt_tokens, sampling.stop)
             if tokenizer is not None else None
@@ -52,14 +56,18 @@ class TextStream:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add_token(self, token_id: int, logprob: float | None = None) -> bool:
-        """Append one sampled token. Returns True when it completed a stop string: the stream is
-        then finished (STOP) and the caller must end the request in the core."""
+    def add_token(self, token_id: int, logprob: float | None = None,
+                  top: tuple[list[int], list[float]] | None = None) -> bool:
+        """Append one sampled token (with its top logprobs when asked). Returns True when it
+        completed a stop string: the stream is then finished (STOP) and the caller must end the
+        request in the core."""
         if self.finish_reason is not None:
             return False  # computed past the end: never streamed or counted
         self.token_ids.append(token_id)
         if self.want_logprobs:
             self.logprobs.append(float("nan") if logprob is None else logprob)
+        if self.want_top_logprobs:
+            self.top_logprobs.append(top if top is not None else ([], []))
         if self.detokenize_each_token:
             detok = self.detokenizer
             self.held_text += detok.update(self.token_ids, is_final=False)
@@ -95,7 +103,9 @@ class TextStream:
             text = self.detokenizer.update(self.token_ids, is_final=is_final)
         else:
             text = ""
-        out = RequestOutput(self.request_id, new_ids, text, self.finish_reason, new_logprobs)
+        out = RequestOutput(self.request_id, new_ids, text, self.finish_reason, new_logprobs, index=self.index)
+        if self.want_top_logprobs:
+            out.top_logprobs = self.top_logprobs[start - self.num_prompt_tokens:]
         if is_final:
             out.usage = Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_prompt_tokens)
         return out
@@ -130,7 +140,8 @@ class OutputProcessor:
             if d.num_cached_prompt_tokens is not None:
                 stream.num_cached_prompt_tokens = d.num_cached_prompt_tokens
             for i, token in enumerate(d.token_ids):
-                if stream.add_token(token, d.logprobs[i] if d.logprobs else None):
+                if stream.add_token(token, d.logprobs[i] if d.logprobs else None,
+                                    d.top_logprobs[i] if d.top_logprobs else None):
                     stopped.append(d.request_id)
             if d.finish_reason is not None:
                 stream.finish(d.finish_reason)

@@ -42,6 +42,10 @@ class Scheduler:
         self._next_step_id = 0
         # sequences the worker holds state for that must be dropped in the next plan
         self._dropped_seq_ids: list[int] = []
+        # samples forked (blocks shared) whose first step is in the next plan
+        self._forked: list[Sequence] = []
+        # n > 1: sequences whose other samples are not forked yet
+        self._parents: list[Sequence] = []
         self.num_preemptions = 0
         # prompt tokens looked up in the prefix cache when first admitted, and those found there
         self.num_prefix_queried_tokens = 0
@@ -55,26 +59,41 @@ class Scheduler:
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
         seq.status = SequenceStatus.WAITING
+        self._add_stops(seq)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+        if seq.unforked_samples:
+            self._parents.append(seq)
+
+    def _add_stops(self, seq: Sequence) -> None:
         params = seq.sampling
         stops = frozenset(params.stop_token_ids)
         seq.stop_token_set = stops if params.ignore_eos else stops | self.eos_token_ids
         seq.max_num_tokens = min(seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
-        self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        seq.min_num_tokens = seq.num_prompt_tokens + params.min_tokens
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence now (stop condition, stop string, abort): free or cache its blocks and
         tell the worker to drop it in the next plan. Idempotent."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
+        if seq in self._forked:
+            self._forked.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and seq.seq_id in self.seqs:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        del self.seqs[seq.seq_id]
+        self.seqs.pop(seq.seq_id, None)
+        if seq.unforked_samples:
+            # its blocks are gone: the samples it could not fork yet are admitted on their own
+            self._parents.remove(seq)
+            for sample in seq.unforked_samples:
+                if not sample.is_finished:
+                    self.add(sample)
+            seq.unforked_samples = []
 
     @property
     def num_waiting(self) -> int:
@@ -85,14 +104,16 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forked)
 
     def has_pending_drops(self) -> bool:
         return bool(self._dropped_seq_ids)
 
     def reset(self) -> list[Sequence]:
         """Forget everything (the worker was lost): returns the sequences that were in flight."""
-        lost = list(self.running) + list(self.waiting)
+        lost = list(self.running) + list(self.waiting) + self._forked
+        self._forked = []
+        self._parents = []
         self.running.clear()
         self.waiting.clear()
         self.seqs.clear()
@@ -180,7 +201,11 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admit waiting sequences, first come first served, unless we just had to preempt.
+        # Forked samples start (one token each; after the loop above, which must not schedule them
+        # twice), then waiting sequences are admitted, first come first served, unless we just had
+        # to preempt.
+        if self._forked:
+            budget -= self._start_forked(plan)
         while (
             not preempted
             and self.waiting
@@ -214,15 +239,66 @@ class Scheduler:
                     num_computed_tokens=seq.num_computed_tokens,
                     num_scheduled_tokens=num_new,
                     sampling=seq.sampling,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    stop_token_ids=tuple(sorted(seq.stop_token_set)) if seq.sampling.min_tokens else (),
                 )
             )
             seq.is_known_to_worker = True
             self._advance(seq, num_new)
             budget -= num_new
 
+        for seq in self._parents:
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._fork(seq)
+        if self._parents:
+            self._parents = [seq for seq in self._parents if seq.unforked_samples]
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         return plan
+
+    def _fork(self, seq: Sequence) -> None:
+        """n > 1: the plan just built computes the rest of ``seq``'s prompt; its other samples share
+        those blocks (the one holding the last prompt token is copied) and start in the next plan,
+        each recomputing that token to sample its own first one. Samples that find no free block
+        wait for a later step."""
+        waiting = []
+        for sample in seq.unforked_samples:
+            if sample.is_finished:
+                continue  # aborted before it started
+            allocation = self.allocator.fork(seq.seq_id, sample.seq_id, seq.num_prompt_tokens)
+            if allocation is None:
+                waiting.append(sample)
+                continue
+            sample.status = SequenceStatus.RUNNING
+            sample.num_computed_tokens = seq.num_prompt_tokens - 1
+            sample.num_slot_tokens = seq.num_prompt_tokens
+            sample.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+            sample.num_hashed_blocks = min(seq.num_hashed_blocks, len(allocation.block_ids) - 1)
+            sample.fork_allocation = allocation
+            self.seqs[sample.seq_id] = sample
+            self._add_stops(sample)
+            self._forked.append(sample)
+        seq.unforked_samples = waiting
+
+    def _start_forked(self, plan: StepPlan) -> int:
+        """Send the forked samples to the worker: each computes its last prompt token again (in its
+        own copy of that block) and samples. Returns the tokens this takes from the budget."""
+        for sample in self._forked:
+            allocation = sample.fork_allocation
+            sample.fork_allocation = None
+            plan.block_copies.extend(allocation.copies)
+            plan.new_seqs.append(NewSequence(
+                seq_id=sample.seq_id, token_ids=list(sample.token_ids), block_ids=list(allocation.block_ids),
+                num_computed_tokens=sample.num_computed_tokens, num_scheduled_tokens=1, sampling=sample.sampling,
+                num_prompt_tokens=sample.num_prompt_tokens,
+                stop_token_ids=tuple(sorted(sample.stop_token_set)) if sample.sampling.min_tokens else (),
+            ))
+            sample.is_known_to_worker = True
+            self.running.append(sample)
+            self._advance(sample, 1)
+        num = len(self._forked)
+        self._forked = []
+        return num
 
     def _prefill_allowance(self) -> int:
         """Prefill pacing: how many prompt tokens the next step may carry.
@@ -270,6 +346,7 @@ class Scheduler:
         touched: list[Sequence] = []
         seqs = self.seqs
         logprobs = result.logprobs
+        num_top = result.num_top_logprobs
         for i, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.token_ids)):
             seq = seqs.get(seq_id)
             if seq is None or seq.num_pending_tokens == 0:
@@ -279,8 +356,13 @@ class Scheduler:
             tokens.append(token_id)
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])
+            if num_top and seq.sampling.top_logprobs:
+                start = i * num_top
+                end = start + seq.sampling.top_logprobs
+                seq.top_logprobs.append((result.top_token_ids[start:end], result.top_logprobs[start:end]))
             touched.append(seq)
-            if token_id in seq.stop_token_set:
+            # the worker masks stop tokens before min_tokens; a stop there is an ordinary token
+            if token_id in seq.stop_token_set and len(tokens) > seq.min_num_tokens:
                 self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos) or a stop token id
             elif len(tokens) >= seq.max_num_tokens:
                 self.finish(seq, FinishReason.LENGTH)  # max_tokens or the model length

@@ -37,6 +37,8 @@ class Sequence:
     sampling: SamplingParams
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # (token ids, logprobs) of the most likely tokens at each generated position, when asked
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
@@ -55,6 +57,13 @@ class Sequence:
     stop_token_set: frozenset[int] = frozenset()
     # ...and the length it ends at (prompt + max_tokens, capped by the model length)
     max_num_tokens: int = 0
+    # a stop token ends the sequence only once it holds more than this many tokens (min_tokens)
+    min_num_tokens: int = 0
+    # n > 1: which sample this is, and (on sample 0) the other samples, forked from it once its
+    # prompt is computed
+    sample_index: int = 0
+    unforked_samples: list["Sequence"] = field(default_factory=list)
+    fork_allocation: object | None = None  # the blocks a forked sample starts with (next plan)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

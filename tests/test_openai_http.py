@@ -292,3 +292,90 @@ def test_grpc_errors_still_grpc(stack):
     with pytest.raises(grpc.RpcError) as err:
         list(stub(addr).Generate(pb.GenerateRequest(prompt="x", sampling=sampling(max_tokens=10**6))))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def controls(**kw) -> pb.SamplingParams:
+    """Any SamplingParams field as protobuf (greedy unless given)."""
+    from pagewire import SamplingParams
+    from pagewire_common import wire
+
+    return wire.sampling_to_pb(SamplingParams(**{"temperature": 0.0, **kw}))
+
+
+def test_n_samples_are_choices_with_their_own_usage(stack):
+    addr, url, model = stack
+    c = client(url)
+    kw = dict(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=7, n=3)
+    first = c.completions.create(**kw)
+    again = c.completions.create(**kw)
+    assert [ch.index for ch in first.choices] == [0, 1, 2]
+    assert [ch.text for ch in first.choices] == [ch.text for ch in again.choices]  # seeded: reproducible
+    assert len({ch.text for ch in first.choices}) > 1  # the samples differ from each other
+    responses = list(stub(addr).Generate(pb.GenerateRequest(prompt=PROMPTS[0], sampling=controls(
+        max_tokens=8, temperature=1.0, seed=7, n=3))))
+    grpc_texts = ["".join(r.text for r in responses if r.index == i) for i in range(3)]
+    assert [ch.text for ch in first.choices] == grpc_texts
+    prompt_tokens = responses[-1].usage.prompt_tokens
+    assert first.usage.prompt_tokens == prompt_tokens  # the prompt is counted once
+    assert first.usage.completion_tokens == sum(r.usage.completion_tokens for r in responses if r.HasField("usage"))
+    streamed: dict[int, str] = {}
+    finished = set()
+    for chunk in c.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert [streamed[i] for i in range(3)] == grpc_texts and finished == {0, 1, 2}
+    assert_all_blocks_free(addr)
+
+
+def test_top_logprobs_match_grpc(stack):
+    addr, url, model = stack
+    responses = list(stub(addr).Generate(pb.GenerateRequest(prompt=PROMPTS[2], sampling=controls(
+        max_tokens=4, logprobs=True, top_logprobs=3))))
+    tops = [t for r in responses for t in r.top_logprobs]
+    out = client(url).completions.create(model=model, prompt=PROMPTS[2], max_tokens=4, temperature=0, logprobs=3)
+    legacy = out.choices[0].logprobs
+    assert len(legacy.top_logprobs) == len(tops) == 4
+    for alts, t in zip(legacy.top_logprobs, tops):
+        assert sorted(alts.values(), reverse=True) == pytest.approx(list(t.logprobs), abs=1e-5)
+    chat = client(url).chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                               temperature=0, logprobs=True, top_logprobs=2)
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy: the best one
+
+
+@pytest.mark.parametrize("extra", [
+    {"presence_penalty": -3.0},
+    {"repetition_penalty": -1.0},
+    {"top_logprobs": 21, "logprobs": True},
+    {"logit_bias": {"999999": 1.0}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+    {"guided_regex": "(unclosed"},
+    {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+])
+def test_bad_sampling_controls_are_400(stack, extra):
+    addr, url, model = stack
+    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
+                                                              "max_tokens": 4, **extra})
+    assert status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+    assert_all_blocks_free(addr)
+
+
+def test_penalties_and_bias_reach_the_sampler(stack):
+    addr, url, model = stack
+    plain = client(url).completions.create(model=model, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    first = plain.choices[0].model_extra["token_ids"][0]
+    biased = client(url).completions.create(model=model, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                            logit_bias={str(first): -100}, extra_body={"return_token_ids": True})
+    assert biased.choices[0].model_extra["token_ids"][0] != first
+    responses = list(stub(addr).Generate(pb.GenerateRequest(prompt=PROMPTS[1], sampling=controls(
+        max_tokens=6, repetition_penalty=1.5, min_tokens=6))))
+    expected = [t for r in responses for t in r.token_ids]
+    out = client(url).completions.create(model=model, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                         extra_body={"repetition_penalty": 1.5, "min_tokens": 6, "return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == expected

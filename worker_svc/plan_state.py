@@ -36,6 +36,14 @@ class SeqState:
     row: int
     num_computed_tokens: int
     sampling: SamplingParams
+    num_prompt_tokens: int = 0
+    # the ids masked until sampling.min_tokens are generated (sent only when min_tokens is set)
+    stop_token_ids: tuple[int, ...] = ()
+    # logits adjustment state (worker_svc.logits_adjust): whether any applies, the slot of the
+    # sequence's token counts (penalties), its grammar matcher (structured output)
+    is_adjusted: bool = False
+    penalty_slot: int | None = None
+    matcher: object | None = None
 
 
 @dataclass(slots=True)
@@ -127,6 +135,8 @@ class SequenceStates:
                 row=tables.add(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
+                num_prompt_tokens=new.num_prompt_tokens or len(new.token_ids),
+                stop_token_ids=tuple(new.stop_token_ids),
             )
         for diff in plan.running_seqs:
             state = seqs.get(diff.seq_id)

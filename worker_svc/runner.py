@@ -25,6 +25,7 @@ from worker_svc.nvtx import nvtx_range
 from worker_svc.plan_state import SeqState, SequenceStates
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.layers.linear import kv_heads_per_rank
+from worker_svc.logits_adjust import LogitsAdjuster
 from worker_svc.parallel.group import SINGLE, TensorParallel
 from worker_svc.sampler import Sampler, SamplingBatch
 from worker_svc.weights import load_model
@@ -137,6 +138,7 @@ class ModelRunner:
         max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
         self.sampler = Sampler(self.device)
+        self.adjuster = LogitsAdjuster(mc.vocab_size, self.device, self._grammar_masks())
         self.decode_graphs: DecodeGraphs | None = None
         # collectives are not captured in graphs: steps of several ranks run eagerly
         if self.device.type == "cuda" and config.cuda_graphs and tp.size == 1:
@@ -155,6 +157,9 @@ class ModelRunner:
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
 
+    def _grammar_masks(self):
+        return None
+
     def _default_kv_budget(self) -> int:
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
@@ -172,6 +177,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop all per-sequence state (the scheduler reconnected and starts from scratch)."""
         self.seqs.reset()
+        self.adjuster.reset()
         self._awaiting_tokens = []
 
     def take_sampled(self, token_ids: list[int]) -> None:
@@ -187,7 +193,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         with nvtx_range("apply plan"):
+            adjuster = self.adjuster
+            if adjuster.num_adjusted:
+                for seq_id in plan.finished_seq_ids:
+                    state = self.seqs.get(seq_id)
+                    if state is not None and state.is_adjusted:
+                        adjuster.drop(state)
             copies = self.seqs.apply(plan)  # checks the plan: KeyError/ValueError if it contradicts our state
+            for new in plan.new_seqs:
+                adjuster.add(self.seqs.get(new.seq_id))
             if copies:
                 self.kv_cache.copy_blocks(copies)
                 self.num_block_copies += len(copies)
@@ -208,26 +222,36 @@ class ModelRunner:
             if not inputs.sampled_states:
                 return result
             logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
-            if logits is None:  # a rank other than 0: rank 0 samples
+            if logits is None:  # a rank other than 0: rank 0 samples (and adjusts the logits)
                 self._awaiting_tokens = inputs.sampled_states
                 return result
-        batch = SamplingBatch(
-            params=[s.sampling for s in inputs.sampled_states],
-            positions=[len(s.token_ids) for s in inputs.sampled_states],
-            want_logprobs=any(s.sampling.logprobs for s in inputs.sampled_states),
-        )
+        states = inputs.sampled_states
+        params = [s.sampling for s in states]
+        batch = SamplingBatch(params=params, positions=[len(s.token_ids) for s in states], want_logprobs=False)
+        want_logprobs = any(p.logprobs for p in params)
+        num_top = max(p.top_logprobs for p in params)
         with nvtx_range("sample"):
-            tokens, logprobs = self.sampler(logits, batch)
+            # logprobs are the model's distribution, before any adjustment
+            raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs or num_top else None
+            adjuster.apply(logits, states)
+            tokens, _ = self.sampler(logits, batch)
+            adjuster.record(tokens)
+            if num_top:
+                top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [N, num_top], best first
         token_list = tokens.tolist()  # the step's one device -> host sync
-        for state, token in zip(inputs.sampled_states, token_list):
+        for state, token in zip(states, token_list):
             state.token_ids.append(token)
+        if adjuster.grammars is not None and adjuster.grammars.num_active:
+            adjuster.grammars.advance(states, token_list)
         result.seq_ids = inputs.sampled_seq_ids
         result.token_ids = token_list
-        if logprobs is not None:
-            result.logprobs = [
-                lp if s.sampling.logprobs else float("nan")
-                for lp, s in zip(logprobs.tolist(), inputs.sampled_states)
-            ]
+        if want_logprobs:
+            logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            result.logprobs = [lp if p.logprobs else float("nan") for lp, p in zip(logprobs.tolist(), params)]
+        if num_top:
+            result.num_top_logprobs = num_top
+            result.top_token_ids = top_ids.flatten().tolist()
+            result.top_logprobs = top_logprobs.flatten().tolist()
         return result
 
     def _prepare_inputs(self, plan: StepPlan) -> _StepInputs:

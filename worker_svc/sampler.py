@@ -61,6 +61,9 @@ class Sampler:
             [1.0 if p.is_greedy else p.temperature for p in params], dtype=logits.dtype
         ).to(self.device, non_blocking=True)
         scaled = logits / temps.unsqueeze(1)
+        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0 and not p.is_greedy]
+        if min_p_rows:
+            _apply_min_p(scaled, min_p_rows, [params[i].min_p for i in min_p_rows])
         u = self._uniforms(batch, num_rows, logits.dtype)
 
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -142,6 +145,16 @@ def _probs_after_top_k(values: torch.Tensor, scaled: torch.Tensor, top_ks: list[
         rows = torch.tensor([i for i, only in enumerate(p_only) if only], device=values.device)
         log_norm[rows] = torch.logsumexp(scaled[rows], dim=-1, keepdim=True)
     return (kept - log_norm).exp()
+
+
+def _apply_min_p(scaled: torch.Tensor, rows: list[int], min_ps: list[float]) -> None:
+    """Drop (in place) the tokens whose probability is below min_p times the row's top one:
+    p_i < min_p * p_max  <=>  x_i < x_max + log(min_p) for the temperature-scaled logits x."""
+    rows_t = torch.tensor(rows, device=scaled.device)
+    x = scaled[rows_t]
+    log_min_p = torch.tensor(min_ps, dtype=x.dtype).log().to(scaled.device).unsqueeze(1)
+    threshold = x.max(dim=-1, keepdim=True).values + log_min_p
+    scaled[rows_t] = x.masked_fill(x < threshold, float("-inf"))
 
 
 def _mix_seed(seed: int, position: int) -> int:

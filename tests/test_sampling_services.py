@@ -1,0 +1,117 @@
+"""Sampling and output controls over gRPC (worker, core and API server as processes), against the
+offline API, which ``test_sampling_controls`` checks against transformers."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pagewire import LLM, SamplingParams
+from pagewire_common import wire
+from pagewire_common.v1 import generation_pb2 as pb
+from tests.service_utils import start_scheduler, start_worker, stub
+from tests.test_services import assert_all_blocks_free
+from tests.tiny_models import sample_prompts
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def services(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("svc")
+    worker, worker_addr = start_worker(model_dir, tmp, extra=["--block-size", "4", "--num-kv-blocks", "300"])
+    sched, addr = start_scheduler(worker_addr, tmp, extra=["--max-num-batched-tokens", "32", "--max-num-seqs", "16"])
+    yield addr
+    sched.stop()
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model_dir, block_size=4, num_kv_blocks=300, max_num_batched_tokens=32, max_num_seqs=16)
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    kinds = [
+        dict(repetition_penalty=1.8, top_logprobs=2),
+        dict(logit_bias={7: 4.0, 11: -100.0}),
+        dict(min_tokens=8, stop_token_ids=[5, 9, 13]),
+        dict(presence_penalty=0.8, frequency_penalty=0.6, logprobs=True, top_logprobs=5),
+        dict(),
+        dict(top_logprobs=20, logprobs=True),
+    ]
+    return [SamplingParams(temperature=0, max_tokens=16, **kinds[i % len(kinds)]) for i in range(n)]
+
+
+def test_mixed_settings_in_one_batch_match_the_offline_api(services, offline, model_dir):
+    prompts = sample_prompts(model_dir, n=12)
+    params = mixed_params(len(prompts))
+    expected = offline.generate(prompts, params)
+    s = stub(services)
+
+    def one(i):
+        return list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=wire.sampling_to_pb(params[i]))))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, range(len(prompts))))
+    for i, responses in enumerate(results):
+        sp, want = params[i], expected[i]
+        ids = [t for r in responses for t in r.token_ids]
+        assert ids == want.token_ids, f"prompt {i} ({sp})"
+        assert responses[-1].usage.completion_tokens == len(ids)
+        tops = [t for r in responses for t in r.top_logprobs]
+        if sp.top_logprobs:
+            assert len(tops) == len(ids)
+            for got, (want_ids, want_lps) in zip(tops, want.top_logprobs):
+                assert list(got.token_ids) == want_ids and len(want_ids) == sp.top_logprobs
+                assert list(got.logprobs) == pytest.approx(want_lps, abs=1e-5)
+        else:
+            assert tops == []
+        lps = [lp for r in responses for lp in r.logprobs]
+        assert lps == (pytest.approx(want.logprobs, abs=1e-5) if sp.logprobs else [])
+    assert_all_blocks_free(services)
+
+
+@pytest.mark.parametrize("sampling, fragment", [
+    (pb.SamplingParams(top_logprobs=21), "top_logprobs"),
+    (pb.SamplingParams(repetition_penalty=-0.5), "repetition_penalty"),
+    (pb.SamplingParams(logit_bias={10**6: 1.0}), "outside the vocabulary"),
+    (pb.SamplingParams(regex="a+", grammar="start: \"a\""), "at most one"),
+    (pb.SamplingParams(regex="[a-"), "invalid regex"),
+    (pb.SamplingParams(json_schema='{"type": "objectx"}'), "invalid json_schema"),
+    (pb.SamplingParams(n=17), "max_num_seqs"),
+])
+def test_bad_values_are_invalid_argument_and_nothing_is_queued(services, sampling, fragment):
+    s = stub(services)
+    before = s.GetStats(pb.StatsRequest()).num_requests_rejected
+    with pytest.raises(grpc.RpcError) as e:
+        list(s.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=sampling)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in e.value.details()
+    stats = s.GetStats(pb.StatsRequest())
+    assert stats.num_requests_rejected == before + 1 and stats.num_waiting == 0 and stats.num_running == 0
+
+
+def test_n_samples_stream_on_their_own_and_match_the_offline_api(services, offline, model_dir):
+    prompt = sample_prompts(model_dir, n=8)[5]
+    sp = SamplingParams(temperature=2.0, seed=11, max_tokens=10, n=4, top_logprobs=2)
+    expected = offline.generate([prompt], sp)[0].samples
+    responses = list(stub(services).Generate(pb.GenerateRequest(prompt_token_ids=prompt,
+                                                                sampling=wire.sampling_to_pb(sp))))
+    for index in range(4):
+        mine = [r for r in responses if r.index == index]
+        ids = [t for r in mine for t in r.token_ids]
+        assert ids == expected[index].token_ids
+        assert len([t for r in mine for t in r.top_logprobs]) == len(ids)
+        finals = [r for r in mine if r.finish_reason != pb.UNSPECIFIED]
+        assert len(finals) == 1 and finals[0] is mine[-1]
+        assert finals[0].usage.completion_tokens == len(ids) and finals[0].usage.prompt_tokens == len(prompt)
+    assert len({tuple(s.token_ids) for s in expected}) == 4
+    assert_all_blocks_free(services)
