@@ -72,6 +72,30 @@ def test_offline_two_ranks_match_transformers(kind, tiny_model_dir, keep_threads
     assert [p.returncode for p in procs] == [0]  # told to stop, and stopped
 
 
+def test_sampling_controls_and_n_samples_on_two_ranks_match_one_rank(tiny_model_dir, keep_threads):
+    """Only rank 0 samples: penalties, bias, min_tokens, top logprobs and n samples (forked blocks)
+    see the gathered logits as one rank sees its own."""
+    model_dir = tiny_model_dir("llama-gqa")
+    prompts = short_prompts(model_dir)[2:6]
+    sp = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5,
+                        frequency_penalty=0.2, logit_bias={7: 2.0}, min_tokens=4, top_logprobs=3, logprobs=True)
+    samples = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=12, ignore_eos=True)
+    one = LLM(model_dir, **ENGINE)
+    expected = one.generate(prompts, sp)
+    expected_samples = one.generate(prompts[:1], samples)[0].samples
+    with LLM(model_dir, tensor_parallel_size=2, **ENGINE) as llm:
+        got = llm.generate(prompts, sp)
+        got_samples = llm.generate(prompts[:1], samples)[0].samples
+    for e, g in zip(expected, got):
+        assert g.token_ids == e.token_ids
+        assert g.logprobs == pytest.approx(e.logprobs, abs=1e-4)
+        assert [ids for ids, _ in g.top_logprobs] == [ids for ids, _ in e.top_logprobs]
+        assert [lp for _, lps in g.top_logprobs for lp in lps] == pytest.approx(
+            [lp for _, lps in e.top_logprobs for lp in lps], abs=1e-4)
+    assert [o.token_ids for o in got_samples] == [o.token_ids for o in expected_samples]
+    assert len(got_samples) == 3 and len({tuple(o.token_ids) for o in got_samples}) > 1  # different samples
+
+
 def test_one_rank_runs_no_collectives(tiny_model_dir):
     import torch.distributed as dist
 
