@@ -159,7 +159,7 @@ class DriverRunner:
         except (KeyError, ValueError):
             raise
         except RuntimeError as e:  # a collective failed: a rank is gone
-            raise GroupFailed(self.lost_rank() or f"a tensor-parallel collective failed: {e}") from e
+            raise self._failed(e) from e
         self._sampled = result.token_ids
         return result
 
@@ -168,8 +168,16 @@ class DriverRunner:
         try:
             self.channel.send(Kind.RESET)
         except RuntimeError as e:
-            raise GroupFailed(self.lost_rank() or f"a tensor-parallel collective failed: {e}") from e
+            raise self._failed(e) from e
         self.runner.reset()
+
+    def _failed(self, error: RuntimeError) -> GroupFailed:
+        """Which rank is gone: a dead rank's connections close before its parent sees it exit, so
+        look at the local ranks for up to a second before settling for gloo's message."""
+        deadline = time.monotonic() + 1.0
+        while (lost := self.lost_rank()) is None and self.local_ranks is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return GroupFailed(lost or f"a tensor-parallel collective failed: {error}")
 
     def lost_rank(self) -> str | None:
         """A local rank that exited (ranks on other machines are noticed at the next collective)."""
