@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from pagewire import __version__
 from pagewire_common import envs, eventloop
+from pagewire_common.logs import LEVELS, setup_logging
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings, add_arguments
 from pagewire_common.supervisor import die_with_parent
 
@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         "core (continuous batching, KV block allocation) in front of a worker (model, paged KV cache).",
     )
     parser.add_argument("--version", action="version", version=f"pagewire {__version__}")
-    parser.add_argument("--log-level", default=envs.log_level(), help="debug, info, warning, error (default: info; env PAGEWIRE_LOG_LEVEL)")
+    parser.add_argument("--log-level", default=envs.log_level(), type=str.lower, choices=LEVELS,
+                        help="debug, info, warning or error (default: info; env PAGEWIRE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run worker, scheduler core and API servers on this machine (the usual way)",
@@ -93,11 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level)
     try:
         if args.command == "worker":
             from worker_svc.server import serve

@@ -7,6 +7,13 @@
 | PAGEWIRE_NVTX | 1: NVTX ranges around the worker step's phases (for Nsight) | off |
 | PAGEWIRE_LOG_LEVEL | default of --log-level | info |
 | PAGEWIRE_EVENT_LOOP | the services' asyncio loop: auto (uvloop when installed), uvloop or asyncio | auto |
+
+Set by a supervisor for the children it starts, not by users:
+
+| variable | meaning |
+| --- | --- |
+| PAGEWIRE_PARENT_PID | the supervisor's pid: the child dies with it |
+| PAGEWIRE_PARENT_RUN_DIR | the supervisor's temp folder: the child removes it if it outlives the supervisor |
 """
 
 from __future__ import annotations
@@ -32,3 +39,15 @@ def log_level() -> str:
 
 def event_loop() -> str:
     return os.environ.get("PAGEWIRE_EVENT_LOOP", "auto").strip().lower() or "auto"
+
+
+PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
+PARENT_RUN_DIR_ENV = "PAGEWIRE_PARENT_RUN_DIR"
+
+
+def pop_parent() -> tuple[int | None, str | None]:
+    """(supervisor pid, its temp folder) for a supervised child, taken out of the environment so
+    that the child's own children do not inherit them."""
+    pid = os.environ.pop(PARENT_PID_ENV, None)
+    run_dir = os.environ.pop(PARENT_RUN_DIR_ENV, None)
+    return (int(pid) if pid else None), (run_dir or None)

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import wire
+from pagewire_common.addresses import add_port
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from pagewire_common.v1 import generation_pb2_grpc
@@ -500,9 +501,7 @@ async def build_server(api: ApiServer, listen: str, reuse_port: bool):
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(listen)
-    if port == 0 and not listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {listen}")
+    port = add_port(server, listen)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pagewire_common.addresses import add_port, check_address_free, describe
 from pagewire_common.settings import API, Settings
 from pagewire_common.supervisor import Supervisor
 from pagewire_common.v1 import core_pb2_grpc
@@ -31,31 +31,8 @@ from scheduler_svc.api_server import SERVICE_NAME, ApiServer, build_server
 from scheduler_svc.core_service import CoreService
 
 log = logging.getLogger("pagewire.scheduler")
+api_log = logging.getLogger("pagewire.api")
 CORE_SERVICE_NAME = "pagewire.v1.SchedulerCore"
-
-
-def check_address_free(listen: str, wait_s: float = 0.0) -> str:
-    """Fail clearly when the public address is taken (SO_REUSEPORT would otherwise let a second
-    server share it silently); resolve port 0 to a free port. Returns the address to use.
-    ``wait_s``: keep trying that long first (a restarted scheduler's old API servers may still be
-    letting go of the port)."""
-    if listen.startswith("unix:"):
-        return listen
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    deadline = time.monotonic() + wait_s
-    while True:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, int(port)))
-                bound = s.getsockname()[1]
-                break
-            except OSError as e:
-                if time.monotonic() >= deadline:
-                    raise OSError(f"cannot listen on {listen}: {e.strerror} (is another server running there?)") from None
-        time.sleep(0.1)
-    return f"{listen.rpartition(':')[0]}:{bound}"
 
 
 def api_server_argv(core_address: str, listen: str, settings: Settings, log_level: str) -> list[str]:
@@ -73,6 +50,8 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
     if core_listen is None:
         tmpdir = tempfile.mkdtemp(prefix="pagewire-core-")
         core_listen = f"unix:{tmpdir}/core.sock"
+    else:
+        check_address_free(core_listen)
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -102,8 +81,12 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
                                       ("grpc.http2.max_pings_without_data", 0)])
     core_pb2_grpc.add_SchedulerCoreServicer_to_server(core, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(core_listen) == 0 and not core_listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {core_listen}")
+    try:
+        add_port(server, core_listen)
+    except OSError:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
     await server.start()
     await health_servicer.set(CORE_SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     core.start()
@@ -122,11 +105,10 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
                 supervisor.mark_ready(name)
             gc.collect()
             gc.freeze()  # what exists now lives as long as the process: keep it out of full collections
-            info = core.worker_info
-            print(f"pagewire scheduler ready on {listen} with {settings.api_servers} API server(s), "
-                  f"worker {worker_address}: {info.model_name}", flush=True)
+            log.info("scheduler ready on %s with %d API server(s), worker %s: %s", listen, settings.api_servers,
+                     worker_address, core.worker_info.model_name)
         await stop.wait()
-        print("pagewire: shutting down: no new requests, letting running ones finish...", flush=True)
+        log.info("shutting down: no new requests, letting running ones finish")
         # the API servers drain: they refuse new calls and wait for theirs, which the core keeps stepping
         await supervisor.stop(timeout=settings.shutdown_timeout + 5)
         watcher.cancel()
@@ -161,6 +143,8 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
             loop.create_task(_set())
 
     servicer_state = {"draining": False}
+    if not reuse_port:
+        check_address_free(listen)
     api = ApiServer(core_address, settings.stream_interval, on_health=on_health)
     server, port, servicer, health_servicer = await build_server(api, listen, reuse_port)
     health_holder.append(health_servicer)
@@ -176,7 +160,7 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     if not stop.is_set():
         gc.collect()
         gc.freeze()
-        print(f"pagewire api-server ready on {listen} (pid {os.getpid()}), scheduler {core_address}", flush=True)
+        api_log.info("api-server ready on %s (pid %d), scheduler core %s", describe(listen, port), os.getpid(), core_address)
     await stop.wait()
     servicer.draining = True
     servicer_state["draining"] = True
@@ -185,7 +169,7 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     while api.pending and time.monotonic() < deadline and api.core_connected:
         await asyncio.sleep(0.05)
     if api.pending:
-        log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
+        api_log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
     await server.stop(grace=1.0)
     await api.stop()
     return 0

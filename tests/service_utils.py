@@ -28,11 +28,11 @@ def free_port() -> int:
 class Proc:
     """A pagewire subcommand running in its own process group, with its output in a log file."""
 
-    def __init__(self, argv: list[str], log_path: Path):
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagewire.cli", *argv],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,

