@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -21,7 +22,7 @@ import grpc
 
 from pagewire_common import eventloop
 from pagewire_common.addresses import check_address_free
-from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings
+from pagewire_common.settings import API, CORE, PROCESS, PUBLIC, WORKER, Settings
 from pagewire_common.supervisor import Supervisor
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 
@@ -33,7 +34,11 @@ def _cli(log_level: str, *args: str) -> list[str]:
 
 
 def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
-    listen = check_address_free(listen)  # one clear line, before anything starts
+    from scheduler_svc.auth import TlsFiles
+
+    # one clear line, before anything starts
+    listen = check_address_free(listen)
+    TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
     # the sockets' folder: removed here at the end, or by a child that outlives a hard kill of serve
     run_dir = tempfile.mkdtemp(prefix="pagewire-")
     try:
@@ -51,10 +56,11 @@ async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     failed: list[str] = []
-    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir)
+    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir,
+                            env={**os.environ, **settings.to_env((PUBLIC,))})
     supervisor.start("worker", _cli(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
     supervisor.start("scheduler", _cli(log_level, "scheduler", "--worker", worker_addr, "--listen", listen,
-                                       "--core-listen", core_addr, *settings.to_argv((CORE, API, PROCESS))))
+                                       "--core-listen", core_addr, *settings.to_argv((CORE, API, PROCESS, PUBLIC))))
     watcher = loop.create_task(supervisor.watch())
     try:
         model_name = await _wait_ready(core_addr, settings.api_servers, stop)

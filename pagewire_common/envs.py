@@ -7,6 +7,7 @@
 | PAGEWIRE_NVTX | 1: NVTX ranges around the worker step's phases (for Nsight) | off |
 | PAGEWIRE_LOG_LEVEL | default of --log-level | info |
 | PAGEWIRE_EVENT_LOOP | the services' asyncio loop: auto (uvloop when installed), uvloop or asyncio | auto |
+| PAGEWIRE_API_KEY | default of --api-key: clients must send ``authorization: Bearer KEY`` | none |
 
 Set by a supervisor for the children it starts, not by users:
 
@@ -41,8 +42,19 @@ def event_loop() -> str:
     return os.environ.get("PAGEWIRE_EVENT_LOOP", "auto").strip().lower() or "auto"
 
 
+API_KEY_ENV = "PAGEWIRE_API_KEY"
 PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
 PARENT_RUN_DIR_ENV = "PAGEWIRE_PARENT_RUN_DIR"
+
+
+def api_key() -> str | None:
+    return read(API_KEY_ENV)
+
+
+def read(name: str) -> str | None:
+    """An environment variable that supplies a setting's default (``pagewire_common.settings``);
+    None when unset or empty."""
+    return os.environ.get(name) or None
 
 
 def pop_parent() -> tuple[int | None, str | None]:

@@ -24,10 +24,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagewire_common.addresses import add_port, check_address_free, describe
-from pagewire_common.settings import API, Settings
+from pagewire_common.settings import API, PUBLIC, Settings
 from pagewire_common.supervisor import Supervisor
 from pagewire_common.v1 import core_pb2_grpc
 from scheduler_svc.api_server import SERVICE_NAME, ApiServer, build_server
+from scheduler_svc.auth import TlsFiles
 from scheduler_svc.core_service import CoreService
 
 log = logging.getLogger("pagewire.scheduler")
@@ -36,15 +37,17 @@ CORE_SERVICE_NAME = "pagewire.v1.SchedulerCore"
 
 
 def api_server_argv(core_address: str, listen: str, settings: Settings, log_level: str) -> list[str]:
+    """The command line of an API server (the API key travels in its environment: ``to_env``)."""
     return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "api-server",
             "--scheduler", core_address, "--listen", listen, "--reuse-port",
-            "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((API,))]
+            "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((API, PUBLIC))]
 
 
 async def run_scheduler(worker_address: str, listen: str, settings: Settings, *, core_listen: str | None = None,
                         log_level: str = "info", stop_event: asyncio.Event | None = None) -> int:
     """The core process: serve until SIGINT/SIGTERM (or ``stop_event``), then drain and stop."""
     listen = check_address_free(listen, wait_s=5.0)
+    TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)  # a bad file stops us here, not each API server
     loop = asyncio.get_running_loop()
     tmpdir = None
     if core_listen is None:
@@ -92,7 +95,8 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
     core.start()
 
     failed: list[str] = []
-    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()))
+    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()),
+                            env={**os.environ, **settings.to_env((PUBLIC,))})
     for i in range(settings.api_servers):
         supervisor.start(f"API server {i + 1}", api_server_argv(core_listen, listen, settings, log_level))
     watcher = loop.create_task(supervisor.watch())
@@ -145,8 +149,10 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     servicer_state = {"draining": False}
     if not reuse_port:
         check_address_free(listen)
+    tls = TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
     api = ApiServer(core_address, settings.stream_interval, on_health=on_health)
-    server, port, servicer, health_servicer = await build_server(api, listen, reuse_port)
+    server, port, servicer, health_servicer = await build_server(api, listen, reuse_port, api_key=settings.api_key,
+                                                                 tls=tls)
     health_holder.append(health_servicer)
     api.start()
     stop = stop_event or asyncio.Event()
