@@ -23,6 +23,7 @@ import torch
 
 from pagewire_common import envs
 from worker_svc.config import ModelConfig
+from worker_svc.hub import is_hub_id, snapshot_dir
 from worker_svc.models import build_model
 
 log = logging.getLogger("pagewire.worker")
@@ -50,10 +51,12 @@ def default_gguf_path() -> pathlib.Path:
 
 def model_name(model: str | os.PathLike | None, model_dir: pathlib.Path) -> str:
     """The one name a model goes by (logs, ``GetModelInfo``, requests' ``model``): the embedded
-    model's, a GGUF file's stem (not its converted copy's hashed folder), else the model
-    directory's name."""
+    model's, a Hugging Face id as given (ORG/NAME), a GGUF file's stem (not its converted copy's
+    hashed folder), else the model directory's name."""
     if model is None:
         return DEFAULT_MODEL_NAME
+    if is_hub_id(model):
+        return str(model)
     if str(model).endswith(".gguf"):
         return pathlib.Path(model).stem
     return model_dir.name
@@ -74,7 +77,11 @@ def resolve_model_path(model: str | os.PathLike | None, cache_dir: str | os.Path
       atomically (built under a temporary name, then renamed), so a crash or a concurrent conversion
       never leaves a half-written one.
     - a directory: returned as is; one without config.json but with exactly one ``.gguf`` uses that file.
+    - a Hugging Face id, ORG/NAME where no such path exists: its snapshot in the Hugging Face cache,
+      downloaded first if it is not there (``worker_svc.hub``; ``HF_HUB_OFFLINE=1`` never downloads).
     """
+    if is_hub_id(model):
+        return snapshot_dir(str(model))
     path = default_gguf_path() if model is None else pathlib.Path(model).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -88,7 +95,7 @@ def resolve_model_path(model: str | os.PathLike | None, cache_dir: str | os.Path
     if path.exists():
         raise FileNotFoundError(f"model path {path} is neither a model directory nor a .gguf file")
     raise FileNotFoundError(
-        f"model path {path} does not exist (models are loaded from local directories or .gguf files only)"
+        f"model path {path} does not exist (a model is a local directory, a .gguf file or a Hugging Face id ORG/NAME)"
     )
 
 
