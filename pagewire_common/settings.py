@@ -99,7 +99,8 @@ class Settings:
 
     # ---- worker: model and KV cache --------------------------------------------------------
     model: str | None = _setting(
-        None, "Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        None, "a Hugging Face model directory, a .gguf file, or a Hugging Face id ORG/NAME (from the Hugging Face "
+        "cache, else downloaded; HF_HUB_OFFLINE=1 never downloads) (default: the embedded SmolLM2-135M-Instruct)",
         scope=(WORKER,))
     served_model_name: str | None = _setting(
         None, "name reported by GetModelInfo and accepted in requests (default: the model's name)",
