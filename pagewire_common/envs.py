@@ -9,6 +9,9 @@
 | PAGEWIRE_EVENT_LOOP | the services' asyncio loop: auto (uvloop when installed), uvloop or asyncio | auto |
 | PAGEWIRE_API_KEY | default of --api-key: clients must send ``authorization: Bearer KEY`` | none |
 
+``huggingface_hub`` reads its own (``HF_HUB_CACHE``, ``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``) when a
+model is named by Hugging Face id (``worker_svc.hub``).
+
 Set by a supervisor for the children it starts, not by users:
 
 | variable | meaning |
