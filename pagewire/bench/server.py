@@ -64,7 +64,10 @@ def check_can_listen(addr: str) -> None:
 def serve_argv(args, listen: str) -> list[str]:
     """The `pagewire serve` command line for --serve, with the engine settings that were given."""
     given = {name: getattr(args, name) for _flag, name in passthrough_flags() if getattr(args, name) is not None}
-    return [sys.executable, "-m", "pagewire.cli", "--log-level", args.log_level, "serve", "--listen", listen,
+    # the server logs at info at least: its readiness line is an info record, and its log is kept
+    # aside (--server-log, or shown only when it fails) whatever the bench's own --log-level
+    log_level = "debug" if args.log_level == "debug" else "info"
+    return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "serve", "--listen", listen,
             *Settings(**given).to_argv(_BENCH_SCOPES)]
 
 
