@@ -122,11 +122,11 @@ async def build_server(runner, listen: str, model_name: str, eos_token_ids: tupl
 
 def serve(settings, listen: str) -> int:
     """``pagewire worker``: load the model, size the KV cache, serve until SIGINT/SIGTERM."""
+    check_address_free(listen)  # before torch and the model load: a taken address is one line, at once
     from kvcache.paged import keep_triton_out
     from worker_svc.runner import ModelRunner, RunnerConfig, dtype_name, resolve_device
     from worker_svc.weights import model_name, resolve_model_path
 
-    check_address_free(listen)  # before the model loads: a taken address is one line, at once
     if resolve_device(settings.device).type != "cuda":
         keep_triton_out()
     model_dir = resolve_model_path(settings.model)
