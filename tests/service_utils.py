@@ -137,3 +137,12 @@ def descendants(pid: int) -> list[tuple[int, str]]:
         found.append((child, argv))
         stack += children.get(child, [])
     return found
+
+
+def is_gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from pagewire_common import envs
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings, flag_of
 
 class BenchError(Exception):
@@ -87,7 +88,8 @@ class ServedServer:
         self._reader: threading.Thread | None = None
 
     def start(self, timeout: float) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # the server dies with the bench, even a bench that is killed hard (die_with_parent)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{envs.PARENT_PID_ENV: str(os.getpid())})
         self.proc = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=env, start_new_session=True,
