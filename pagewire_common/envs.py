@@ -9,6 +9,8 @@
 | PAGEWIRE_EVENT_LOOP | the services' asyncio loop: auto (uvloop when installed), uvloop or asyncio | auto |
 | PAGEWIRE_API_KEY | default of --api-key: clients must send ``authorization: Bearer KEY`` | none |
 
+gRPC reads ``GRPC_VERBOSITY``: every pagewire command sets it to ERROR unless it is set or the
+log level is debug (``pagewire_common.logs``).
 ``huggingface_hub`` reads its own (``HF_HUB_CACHE``, ``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``) when a
 model is named by Hugging Face id (``worker_svc.hub``).
 

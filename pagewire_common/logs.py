@@ -6,6 +6,7 @@ of ``pagewire serve`` reads as one log. The logger names the process's role
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -13,6 +14,12 @@ LEVELS = ("debug", "info", "warning", "error")
 
 
 def setup_logging(level: str = "info") -> None:
-    """Send pagewire's (and every library's) log records to stderr in ``FORMAT``."""
+    """Send pagewire's (and every library's) log records to stderr in ``FORMAT``. Call it before
+    gRPC is imported: gRPC's C core writes its own lines, in a format of its own and at INFO by
+    default ("I1123 14:09:12.126679 21053 chttp2_transport.cc:1403] ... Got goaway" whenever a
+    peer closes a connection), so it is kept to errors, unless ``--log-level debug`` or the user's
+    own GRPC_VERBOSITY asks for more."""
+    if str(level).lower() != "debug":
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # read by gRPC when it starts
     logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), format=FORMAT, stream=sys.stderr,
                         force=True)

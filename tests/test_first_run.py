@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import os
 import re
 import signal
 import socket
@@ -128,6 +129,34 @@ def test_a_cpu_worker_never_loads_triton_and_stops_in_a_few_lines(model_dir, tmp
     assert lines[-1].endswith("pagewire.worker: worker stopped") and len(lines) <= 6, output
 
 
+# gRPC's C core logs a line of its own format when a peer closes a connection ("Got goaway")
+# and when a process forks while gRPC threads run
+GRPC_CORE_CHATTER = """
+import os, grpc
+from concurrent import futures
+server = grpc.server(futures.ThreadPoolExecutor(2))
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+grpc.channel_ready_future(channel).result(timeout=10)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+server.stop(None)
+"""
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_grpc_core_lines_are_kept_out_of_the_log_unless_debugging(level):
+    code = f"from pagewire_common.logs import setup_logging\nsetup_logging({level!r})\n{GRPC_CORE_CHATTER}"
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    core_lines = [line for line in out.stderr.splitlines() if re.match(r"^[IWE]\d{4} ", line)]
+    assert bool(core_lines) == (level == "debug"), out.stderr
+
+
 @pytest.mark.slow
 def test_serve_logs_one_format_and_one_model_name(model_dir, tmp_path):
     port = free_port()
@@ -144,8 +173,8 @@ def test_serve_logs_one_format_and_one_model_name(model_dir, tmp_path):
     assert FORMAT == "%(asctime)s %(levelname)s %(name)s: %(message)s"
     text = serve.output()
     name = model_dir.name
-    assert f"pagewire ready: serving {name} on 127.0.0.1:{port}" in text
+    assert f"pagewire ready: serving {name} on 127.0.0.1:{port}" in text, text
     # the worker, the core and serve name the model alike; a unix socket is named by its path
-    assert f"worker ready on unix:" in text and f".sock: {name} (llama, float32 on cpu)" in text
-    assert f"scheduler ready on 127.0.0.1:{port} with 1 API server(s), worker unix:" in text
-    assert "(port 1)" not in text and "~20 s" not in text and "connected (unix:)" not in text
+    assert "worker ready on unix:" in text and f".sock: {name} (llama, float32 on cpu)" in text, text
+    assert f"scheduler ready on 127.0.0.1:{port} with 1 API server(s), worker unix:" in text, text
+    assert "(port 1)" not in text and "~20 s" not in text and "connected (unix:)" not in text, text
