@@ -61,7 +61,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, **settings):
         from worker_svc.parallel.ranks import start_runner
         from worker_svc.runner import dtype_name
-        from worker_svc.weights import resolve_model_path
+        from worker_svc.weights import model_name, resolve_model_path
 
         unknown = sorted(set(settings) - SETTING_NAMES)
         if unknown:
@@ -74,7 +74,7 @@ class LLM:
         tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         mc = self.runner.model_config
         info = WorkerInfo.build(
-            model_name=self.model_dir.name, vocab_size=mc.vocab_size, max_model_len=self.runner.max_model_len,
+            model_name=self.settings.served_model_name or model_name(model, self.model_dir), vocab_size=mc.vocab_size, max_model_len=self.runner.max_model_len,
             block_size=self.runner.block_size, num_kv_blocks=self.runner.num_kv_blocks,
             eos_token_ids=mc.eos_token_ids, dtype=dtype_name(self.runner.dtype), device=str(self.runner.device),
             tokenizer_eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,

@@ -54,6 +54,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}") from None
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """The ``--device`` setting, or cuda when it is available, else cpu."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -110,8 +115,7 @@ class ModelRunner:
         self.config = config = config or RunnerConfig()
         self.model_dir = Path(model_dir)
         self.tp = tp
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        self.device = resolve_device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
         if self.device.type == "cpu" and config.cpu_packed_linear:
@@ -152,8 +156,8 @@ class ModelRunner:
         self.num_block_copies = 0
         # ranks other than 0: the sequences that sampled in the last step, until rank 0's ids come
         self._awaiting_tokens: list[SeqState] = []
-        log.info(
-            "worker ready: %s, %s on %s, %d KV blocks of %d tokens, max model length %d",
+        log.debug(
+            "model runner: %s architecture, %s on %s, %d KV blocks of %d tokens, max model length %d",
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
 

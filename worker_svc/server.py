@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import eventloop, wire
+from pagewire_common.addresses import add_port, check_address_free, describe, peer_name
 from pagewire_common.wire import TOKENIZER_FILES
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.parallel.group import GroupFailed
@@ -78,7 +79,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         failed: GroupFailed | None = None
         try:
             runner.reset()
-            log.info("scheduler connected (%s)", context.peer())
+            log.info("scheduler connected (%s)", peer_name(context.peer()))
             async for plan_msg in request_iterator:
                 plan = wire.plan_from_pb(plan_msg)
                 try:
@@ -124,38 +125,31 @@ async def build_server(runner, listen: str, model_name: str, eos_token_ids: tupl
         (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(listen)
-    if port == 0 and not listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {listen}")
+    port = add_port(server, listen)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
 
 
-def default_model_name(model_arg: str | None, model_dir: Path) -> str:
-    """The name clients see: the embedded model's, a GGUF file's stem (not its cache directory's
-    hashed name), or the model directory's name."""
-    if model_arg is None:
-        return "SmolLM2-135M-Instruct"
-    if str(model_arg).endswith(".gguf"):
-        return Path(model_arg).stem
-    return model_dir.name
-
-
 def serve(settings, listen: str | None) -> int:
     """``pagewire worker``: load the model (rank 0 of ``--tensor-parallel-size`` ranks: start and join
     the others), size the KV cache, serve until SIGINT/SIGTERM. With ``--rank R`` (R > 0), run that
     rank only: it serves nothing and follows rank 0's plans."""
+    if not settings.rank:
+        if listen is None:
+            raise ValueError("--listen is required (only a rank other than 0 runs without it)")
+        check_address_free(listen)  # before torch and the model load: a taken address is one line, at once
+    from kvcache.paged import keep_triton_out
     from worker_svc.parallel.ranks import run_rank, start_runner
-    from worker_svc.runner import RunnerConfig
-    from worker_svc.weights import resolve_model_path
+    from worker_svc.runner import RunnerConfig, dtype_name, resolve_device
+    from worker_svc.weights import model_name, resolve_model_path
 
+    if resolve_device(settings.device).type != "cuda":
+        keep_triton_out()
     model_dir = resolve_model_path(settings.model)
     if settings.rank:
         return run_rank(model_dir, settings)
-    if listen is None:
-        raise ValueError("--listen is required (only a rank other than 0 runs without it)")
     if settings.num_threads:
         import torch
 
@@ -170,15 +164,23 @@ def serve(settings, listen: str | None) -> int:
     else:
         runner = start_runner(model_dir, settings)
     eos = tuple(runner.model_config.eos_token_ids)
-    name = settings.served_model_name or default_model_name(settings.model, model_dir)
+    name = settings.served_model_name or model_name(settings.model, model_dir)
+    what = f"{runner.model_config.model_type}, {dtype_name(runner.dtype)} on {runner.device}"
+    if settings.worker == "null":
+        what = f"null worker, no model math, {runner.model_config.model_type} config"
+    num_ranks = getattr(getattr(runner, "tp", None), "size", 1)
+    if num_ranks > 1:
+        what += f", {num_ranks} tensor-parallel ranks"
+    summary = (f"{name} ({what}), {runner.num_kv_blocks} KV blocks x {runner.block_size} tokens, "
+               f"max model length {runner.max_model_len}, loaded in {time.monotonic() - t0:.1f} s")
     try:
-        return eventloop.run(_serve_until_signal(runner, listen, name, eos, model_dir, t0))
+        return eventloop.run(_serve_until_signal(runner, listen, name, eos, summary))
     finally:
         if hasattr(runner, "close"):
             runner.close()
 
 
-async def _serve_until_signal(runner, listen: str, model_name: str, eos, model_dir: Path, t0: float) -> int:
+async def _serve_until_signal(runner, listen: str, model_name: str, eos, summary: str) -> int:
     import signal
 
     stop = asyncio.Event()
@@ -193,14 +195,7 @@ async def _serve_until_signal(runner, listen: str, model_name: str, eos, model_d
     server, port, health_servicer = await build_server(runner, listen, model_name, eos, on_fatal)
     gc.collect()  # the model and its modules live as long as the process: keep them out of
     gc.freeze()  # the collector's full collections while serving
-    num_ranks = getattr(getattr(runner, "tp", None), "size", 1)
-    print(
-        f"pagewire worker ready on {listen} (port {port}): {model_dir.name}, "
-        f"{runner.num_kv_blocks} KV blocks x {runner.block_size} tokens"
-        + (f", {num_ranks} tensor-parallel ranks" if num_ranks > 1 else "")
-        + f", loaded in {time.monotonic() - t0:.1f}s",
-        flush=True,
-    )
+    log.info("worker ready on %s: %s", describe(listen, port), summary)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -210,7 +205,10 @@ async def _serve_until_signal(runner, listen: str, model_name: str, eos, model_d
         watch.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=0 if fatal else 5)
-    print("pagewire worker stopped" + (f": {fatal[0]}" if fatal else ""), flush=True)
+    if fatal:
+        log.error("worker stopped: %s", fatal[0])
+    else:
+        log.info("worker stopped")
     return 1 if fatal else 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from worker_svc.config import ModelConfig
 from worker_svc.layers import RotaryEmbedding
@@ -29,13 +30,26 @@ def get_model_class(config: ModelConfig) -> type[nn.Module]:
         ) from None
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skips ``torch.nn.init``'s initializers while modules are built: ``load_weights`` overwrites
+    every parameter, and on the meta device these initializers run through ``torch._refs``, whose
+    first use imports ``torch._dynamo`` (about 2 s, Triton with it when installed, and a
+    ``torchinductor`` folder in the temp directory)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")  # what the initializer would return
+        return func(*args, **kwargs)
+
+
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                 tp: TensorParallel = SINGLE) -> nn.Module:
     """An inference-only model in ``dtype`` on ``device`` (this rank's shard of it under ``tp``). Its
-    parameters are UNINITIALIZED (no random init is spent on weights that load_weights overwrites, and load_weights fails on any missing one);
-    its derived buffers (rotary tables) are computed."""
+    parameters are UNINITIALIZED (no random init is spent on weights that load_weights overwrites, and
+    load_weights fails on any missing one); its derived buffers (rotary tables) are computed."""
     cls = get_model_class(config)
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = cls(config, tp)
     model.to(dtype=dtype)
     model.to_empty(device=device)

@@ -28,7 +28,7 @@ from pathlib import Path
 from pagewire_common import wire
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.settings import WORKER, Settings
-from pagewire_common.supervisor import PARENT_PID_ENV
+from pagewire_common.envs import PARENT_PID_ENV
 from worker_svc.parallel.group import GroupFailed, TensorParallel
 from worker_svc.parallel.handoff import Kind, PlanChannel
 
