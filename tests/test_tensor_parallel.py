@@ -221,7 +221,7 @@ def test_ranks_started_apart_join_at_the_store_address(tiny_model_dir, tmp_path)
     rank0 = Proc(["worker", "--rank", "0", "--listen", f"127.0.0.1:{port}", *common], tmp_path / "rank0.log")
     sched = None
     try:
-        rank0.wait_for_output("pagewire worker ready", timeout=120)
+        rank0.wait_for_output("worker ready on", timeout=120)
         assert "2 tensor-parallel ranks" in rank0.output()
         assert descendants(rank0.proc.pid) == []  # it started no rank itself
         sched, addr = start_scheduler(f"127.0.0.1:{port}", tmp_path)
