@@ -26,6 +26,7 @@ from worker_svc.plan_state import SeqState, SequenceStates
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.logits_adjust import LogitsAdjuster
 from worker_svc.sampler import Sampler, SamplingBatch
+from worker_svc.structured import GrammarMasks
 from worker_svc.weights import load_model
 
 log = logging.getLogger("pagewire.worker")
@@ -143,8 +144,9 @@ class ModelRunner:
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
 
-    def _grammar_masks(self):
-        return None
+    def _grammar_masks(self) -> GrammarMasks | None:
+        mc = self.model_config
+        return GrammarMasks.for_model(self.model_dir, mc.vocab_size, mc.eos_token_ids, self.device)
 
     def _default_kv_budget(self) -> int:
         if self.device.type == "cuda":
@@ -188,6 +190,9 @@ class ModelRunner:
         with nvtx_range("prepare inputs"):
             inputs = self._prepare_inputs(plan)
         meta = inputs.meta
+        grammars = adjuster.grammars
+        if grammars is not None and grammars.num_active:
+            grammars.start(inputs.sampled_states)  # the masks are filled while the model runs
         graphs = self.decode_graphs
         num_seqs = len(meta.seq_lens_cpu)
         if graphs is not None and meta.max_query_len == 1 and len(inputs.sampled_states) == num_seqs and graphs.fits(num_seqs):
@@ -215,8 +220,8 @@ class ModelRunner:
         token_list = tokens.tolist()  # the step's one device -> host sync
         for state, token in zip(states, token_list):
             state.token_ids.append(token)
-        if adjuster.grammars is not None and adjuster.grammars.num_active:
-            adjuster.grammars.advance(states, token_list)
+        if grammars is not None and grammars.num_active:
+            grammars.advance(states, token_list)
         result.seq_ids = inputs.sampled_seq_ids
         result.token_ids = token_list
         if want_logprobs:
