@@ -180,6 +180,18 @@ class GrammarMasks:
             if matcher is not None and not matcher.is_stopped():
                 matcher.consume_token(token)
 
+    def choose(self, state: SeqState, preferred: int) -> int:
+        """The null runner's pick for a constrained sequence: ``preferred`` when the grammar allows
+        it, else EOS when allowed (unless ``ignore_eos`` holds it), else the lowest allowed id."""
+        words = np.frombuffer(state.matcher.compute_bitmask(), dtype=np.uint32)[None, :].copy()
+        if state.sampling.ignore_eos:
+            self._hold_eos(words.view(np.int32), [state])
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size])
+        if preferred in allowed:
+            return preferred
+        eos = [t for t in self.eos_token_ids if t in allowed]
+        return eos[0] if eos else int(allowed[0])
+
     def _host_buffer(self, rows: int) -> torch.Tensor:
         pin = self.device.type == "cuda"
         return torch.full((rows, self.num_words), -1, dtype=torch.int32, pin_memory=pin)
