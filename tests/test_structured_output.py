@@ -240,6 +240,7 @@ def smollm2_case(smollm2_dir):
     return llm, prompts, params, [o.token_ids for o in alone]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_smollm2_writes_json_and_dates_in_a_mixed_batch_under_preemption(smollm2_case, overlap):
     llm, prompts, params, alone = smollm2_case
@@ -251,3 +252,15 @@ def test_smollm2_writes_json_and_dates_in_a_mixed_batch_under_preemption(smollm2
     # the unconstrained requests in the same batch are the plain greedy continuations
     assert [outs[2].token_ids, outs[5].token_ids] == alone
     assert_all_free(llm)
+
+
+def test_a_model_without_tokenizer_refuses_structured_output(random_model_dir, tmp_path):
+    for path in random_model_dir.iterdir():
+        if not path.name.startswith("tokenizer"):
+            shutil.copy(path, tmp_path / path.name)
+    llm = LLM(tmp_path, block_size=16, num_kv_blocks=50)
+    assert llm.runner.adjuster.grammars is None
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        llm.generate([[5, 6, 7]], SamplingParams(regex="[a-z]+"))
+    assert llm.engine.num_requests == 0
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
