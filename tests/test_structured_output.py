@@ -187,14 +187,23 @@ def test_rows_and_steps_without_a_grammar_pay_nothing(random_model_dir):
     started = []
     original_start = GrammarMasks.start
     grammars.start = lambda states: (started.append(len(states)), original_start(grammars, states))
+    fills = []
+    executor = grammars._executor
+
+    class CountingExecutor:
+        def unsafe_compute_mask_ptr(self, jobs, *args):
+            fills.append(len(jobs))
+            return executor.unsafe_compute_mask_ptr(jobs, *args)
+
+    grammars._executor = CountingExecutor()
     prompts = sample_prompts(random_model_dir, n=4)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
-    assert masked_rows == [] and started == []
+    assert masked_rows == [] and started == [] and fills == []
     params = [SamplingParams(temperature=0, max_tokens=6, regex="[a-z]{3,40}" if i == 2 else None) for i in range(4)]
     outs = llm.generate(prompts, params)
-    # one mask row a step, the constrained request's (its row index is where it sits in the step)
+    # one mask row a step, the constrained request's, filled once (while the forward pass ran)
     assert masked_rows and all(len(rows) == 1 for rows in masked_rows)
-    assert len(masked_rows) == len(outs[2].token_ids)
+    assert len(masked_rows) == len(outs[2].token_ids) == len(fills) and set(fills) == {1}
     assert re.fullmatch("[a-z]{3,40}", outs[2].text)
 
 

@@ -70,8 +70,8 @@ class GrammarMasks:
         self._executor = llguidance.LLExecutor()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagewire-grammar")
         self._host = self._host_buffer(8)  # [rows, words] int32
-        self._pending: Future | None = None
-        self._pending_states: list[SeqState] = []
+        self._pending: Future | None = None  # the fill under way, if any
+        self._filled_for: list[SeqState] | None = None  # the step's states the buffer is filled for
         self._shifts = torch.arange(_BITS, dtype=torch.int32, device=self.device)
         self.num_active = 0  # sequences held that have a matcher
 
@@ -106,6 +106,7 @@ class GrammarMasks:
 
     def reset(self) -> None:
         self.wait()
+        self._filled_for = None
         self.num_active = 0
 
     def _template(self, kind: str, text: str) -> llguidance.LLMatcher:
@@ -134,7 +135,7 @@ class GrammarMasks:
         if self._host.shape[0] < len(states):
             self._host = self._host_buffer(max(len(states), 2 * self._host.shape[0]))
         host = self._host
-        self._pending_states = states
+        self._filled_for = states
         self._pending = self._pool.submit(
             self._executor.unsafe_compute_mask_ptr, jobs, host.data_ptr(), self.num_words * 4, host.shape[0]
         )
@@ -145,11 +146,12 @@ class GrammarMasks:
             pending.result()
 
     def apply(self, logits: torch.Tensor, states: list[SeqState], rows: list[int]) -> None:
-        """Mask ``logits`` [N, V] in place at ``rows`` (the step's rows whose ``states`` have a
-        matcher; ``states`` are those rows' sequences)."""
-        if self._pending is None or self._pending_states is not states:
+        """Mask ``logits`` [N, V] in place at ``rows``: row i samples ``states[i]``, and ``rows``
+        are those with a matcher. Uses the masks ``start(states)`` filled, or fills them now."""
+        if self._filled_for is not states:
             self.start(states)
         self.wait()
+        self._filled_for = None
         host = self._host.numpy()
         masks = host[rows]  # [G, words], in row order
         if any(s.sampling.ignore_eos for s in states):
