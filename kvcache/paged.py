@@ -7,6 +7,7 @@ applies what a step plan says. A token's K/V lives at a *slot*: ``block_id * blo
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -196,6 +197,18 @@ def _cpu_kernel_for(device: torch.device, dtype: torch.dtype) -> cpu_kernels.Cpu
             raise ValueError(f"PAGEWIRE_ATTENTION_BACKEND=cpu takes float32 or bfloat16, got {dtype}")
         return cpu
     return cpu if cpu is not None and cpu.supports(dtype) else None
+
+
+def keep_triton_out() -> None:
+    """Make ``import triton`` fail in this process, unless the backend is forced to ``triton``.
+
+    For a worker whose model is not on CUDA: Triton's kernels never run there, yet torch imports
+    the package whenever it is installed (``torch._dynamo`` does, and initializing parameters on
+    the meta device pulls that in). Its nanobind extension then prints dozens of "leaked" lines
+    when the process exits. A ``None`` entry in ``sys.modules`` makes the import raise
+    ImportError, which torch and ``_triton_kernels`` take as "Triton is not installed"."""
+    if attention_backend() != "triton" and "triton" not in sys.modules:
+        sys.modules["triton"] = None
 
 
 class _TritonKernels(NamedTuple):

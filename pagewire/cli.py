@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from pagewire import __version__
 from pagewire_common import envs, eventloop
-from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings, add_arguments
+from pagewire_common.logs import LEVELS, setup_logging
+from pagewire_common.settings import API, CORE, PROCESS, PUBLIC, WORKER, Settings, add_arguments
 from pagewire_common.supervisor import die_with_parent
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
+PUBLIC_TITLE = "public address: API key and TLS"
 
 
 def _positive_int(text: str) -> int:
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         "core (continuous batching, KV block allocation) in front of a worker (model, paged KV cache).",
     )
     parser.add_argument("--version", action="version", version=f"pagewire {__version__}")
-    parser.add_argument("--log-level", default=envs.log_level(), help="debug, info, warning, error (default: info; env PAGEWIRE_LOG_LEVEL)")
+    parser.add_argument("--log-level", default=envs.log_level(), type=str.lower, choices=LEVELS,
+                        help="debug, info, warning or error (default: info; env PAGEWIRE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run worker, scheduler core and API servers on this machine (the usual way)",
@@ -40,10 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, (WORKER,), title="model and KV cache (worker)")
     add_arguments(p, (CORE,), title="batching (scheduler core)", skip=("max_model_len",))
     add_arguments(p, (API, PROCESS), title="API servers and processes")
+    add_arguments(p, (PUBLIC,), title=PUBLIC_TITLE)
 
     p = sub.add_parser("worker", help="run only the worker (model + KV cache)",
-                       description="Serve the internal pagewire.v1.Worker service for one scheduler core.")
-    p.add_argument("--listen", required=True, help="address for the scheduler, host:port or unix:PATH")
+                       description="Serve the internal pagewire.v1.Worker service for one scheduler core. With "
+                       "--tensor-parallel-size N it runs N ranks (it starts ranks 1..N-1 itself); with --rank R > 0 "
+                       "it runs only that rank, started apart on this or another machine, which serves nothing.")
+    p.add_argument("--listen", default=None,
+                   help="address for the scheduler, host:port or unix:PATH (required, except for --rank R > 0)")
     add_arguments(p, (WORKER,), title="model and KV cache")
 
     p = sub.add_parser("scheduler", help="run the scheduler core and its API servers (public gRPC API)",
@@ -58,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "`pagewire api-server --scheduler ADDR` (default: a private unix socket)")
     add_arguments(p, (CORE,), title="batching (scheduler core)")
     add_arguments(p, (API, PROCESS), title="API servers and processes")
+    add_arguments(p, (PUBLIC,), title=PUBLIC_TITLE)
 
     p = sub.add_parser("api-server", help="run one API server in front of a running scheduler core",
                        description="Serve pagewire.v1.Generation on --listen: validate, tokenize, stream, in front "
@@ -68,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-port", action="store_true",
                    help="share --listen with other API servers (SO_REUSEPORT); the scheduler passes it to its own")
     add_arguments(p, (API, PROCESS), title="API server", skip=("api_servers",))
+    add_arguments(p, (PUBLIC,), title=PUBLIC_TITLE)
 
     p = sub.add_parser("generate", help="stream a completion from a running server to stdout")
     p.add_argument("prompt", help="the prompt text (or the user message with --chat)")
@@ -82,7 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string, cut from the output (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--show-usage", action="store_true", help="print token counts to stderr at the end")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
+    g = p.add_argument_group("connection")
+    g.add_argument("--api-key", default=envs.api_key(), metavar="KEY",
+                   help="send 'authorization: Bearer KEY' with the call, for a server started with --api-key "
+                   "(default: $PAGEWIRE_API_KEY, else none)")
+    g.add_argument("--tls", action="store_true",
+                   help="connect over TLS, trusting the system's certificate authorities")
+    g.add_argument("--tls-ca-file", default=None, metavar="PATH",
+                   help="connect over TLS, trusting the PEM certificate(s) in PATH (a private CA, or the server's "
+                   "self-signed certificate)")
 
     from pagewire.bench.cli import add_bench_parser
 
@@ -93,11 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(args.log_level)
     try:
         if args.command == "worker":
             from worker_svc.server import serve

@@ -21,19 +21,39 @@ def make_sampling(max_tokens=16, temperature=0.0, top_p=None, top_k=0, seed=None
     return msg
 
 
+def open_channel(addr: str, *, tls: bool = False, tls_ca_file: str | None = None, options=None) -> grpc.Channel:
+    """A channel to a pagewire server: plaintext, or TLS (``tls``: trusting the system's CAs;
+    ``tls_ca_file``: trusting the PEM certificates in that file, e.g. a self-signed one)."""
+    if not tls and tls_ca_file is None:
+        return grpc.insecure_channel(addr, options=options)
+    roots = None
+    if tls_ca_file is not None:
+        with open(tls_ca_file, "rb") as f:
+            roots = f.read()
+    return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries an API key (``--api-key`` on the server)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 def generate_command(args) -> int:
     sampling = make_sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop,
                              ignore_eos=args.ignore_eos)
-    with grpc.insecure_channel(args.addr) as channel:
+    metadata = auth_metadata(args.api_key)
+    with open_channel(args.addr, tls=args.tls, tls_ca_file=args.tls_ca_file) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         if args.chat:
             messages = []
             if args.system:
                 messages.append(pb.ChatMessage(role="system", content=args.system))
             messages.append(pb.ChatMessage(role="user", content=args.prompt))
-            call = stub.Chat(pb.ChatRequest(messages=messages, sampling=sampling), timeout=args.timeout)
+            call = stub.Chat(pb.ChatRequest(messages=messages, sampling=sampling), timeout=args.timeout,
+                             metadata=metadata)
         else:
-            call = stub.Generate(pb.GenerateRequest(prompt=args.prompt, sampling=sampling), timeout=args.timeout)
+            call = stub.Generate(pb.GenerateRequest(prompt=args.prompt, sampling=sampling), timeout=args.timeout,
+                                 metadata=metadata)
         last = None
         try:
             for resp in call:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
@@ -51,22 +52,29 @@ class LLM:
     ``max_num_batched_tokens``, ``max_num_seqs``, ``num_kv_blocks``, ``kv_cache_bytes``,
     ``enable_prefix_caching``, ``dtype``, ``device``, ``max_model_len``, ...), with the same
     defaults and checks.
+
+    ``tensor_parallel_size=N`` shards the model over N ranks: this process is rank 0 and starts
+    ranks 1..N-1 as child processes, which stop with ``close()`` (or when this process exits). A
+    process holds one such group at a time (torch.distributed's default group).
     """
 
     def __init__(self, model: str | Path | None = None, **settings):
-        from worker_svc.runner import ModelRunner, RunnerConfig, dtype_name
-        from worker_svc.weights import resolve_model_path
+        from worker_svc.parallel.ranks import start_runner
+        from worker_svc.runner import dtype_name
+        from worker_svc.weights import model_name, resolve_model_path
 
         unknown = sorted(set(settings) - SETTING_NAMES)
         if unknown:
             raise TypeError(f"LLM() got unknown settings {unknown}; see pagewire_common.settings.Settings")
         self.settings = Settings(model=None if model is None else str(model), **settings)
         self.model_dir = resolve_model_path(model)
-        self.runner = ModelRunner(self.model_dir, RunnerConfig.from_settings(self.settings))
+        self.runner = start_runner(self.model_dir, self.settings)
+        # the other ranks stop with this object, or at the latest when the interpreter exits
+        self._finalizer = weakref.finalize(self, _close_runner, self.runner)
         tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         mc = self.runner.model_config
         info = WorkerInfo.build(
-            model_name=self.model_dir.name, vocab_size=mc.vocab_size, max_model_len=self.runner.max_model_len,
+            model_name=self.settings.served_model_name or model_name(model, self.model_dir), vocab_size=mc.vocab_size, max_model_len=self.runner.max_model_len,
             block_size=self.runner.block_size, num_kv_blocks=self.runner.num_kv_blocks,
             eos_token_ids=mc.eos_token_ids, dtype=dtype_name(self.runner.dtype), device=str(self.runner.device),
             tokenizer_eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
@@ -76,6 +84,17 @@ class LLM:
                                  self.runner)
         self.tokenizer = tokenizer
         self._request_ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank); the object is
+        unusable afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def allocator(self):
@@ -172,3 +191,9 @@ class LLM:
             top_logprobs=top,
             index=last.index,
         )
+
+
+def _close_runner(runner) -> None:
+    close = getattr(runner, "close", None)
+    if close is not None:
+        close()

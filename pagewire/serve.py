@@ -11,6 +11,8 @@ again and again, stops serve with a message that says which. SIGINT/SIGTERM: the
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import shutil
 import signal
 import sys
@@ -19,9 +21,12 @@ import tempfile
 import grpc
 
 from pagewire_common import eventloop
-from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings
+from pagewire_common.addresses import check_address_free, http_url
+from pagewire_common.settings import API, CORE, PROCESS, PUBLIC, WORKER, Settings
 from pagewire_common.supervisor import Supervisor
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
+
+log = logging.getLogger("pagewire.serve")
 
 
 def _cli(log_level: str, *args: str) -> list[str]:
@@ -29,42 +34,42 @@ def _cli(log_level: str, *args: str) -> list[str]:
 
 
 def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
-    from scheduler_svc.main import check_address_free
+    from scheduler_svc.auth import TlsFiles
 
-    listen = check_address_free(listen)  # one clear line, before anything starts
+    # one clear line, before anything starts
+    listen = check_address_free(listen)
     if settings.http_listen != "off":
         settings = settings.replace(http_listen=check_address_free(settings.http_listen))
-    sock_dir = tempfile.mkdtemp(prefix="pagewire-")
-    worker_addr = f"unix:{sock_dir}/worker.sock"
-    core_addr = f"unix:{sock_dir}/core.sock"
-    if settings.model is None:
-        print("pagewire: serving the embedded SmolLM2-135M-Instruct (converted once to a cached copy on first use)",
-              flush=True)
+    TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
+    # the sockets' folder: removed here at the end, or by a child that outlives a hard kill of serve
+    run_dir = tempfile.mkdtemp(prefix="pagewire-")
     try:
-        return eventloop.run(_serve(settings, listen, log_level, worker_addr, core_addr))
+        return eventloop.run(_serve(settings, listen, log_level, run_dir))
     finally:
-        shutil.rmtree(sock_dir, ignore_errors=True)
-        print("pagewire: stopped", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log.info("stopped")
 
 
-async def _serve(settings: Settings, listen: str, log_level: str, worker_addr: str, core_addr: str) -> int:
+async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) -> int:
+    worker_addr = f"unix:{run_dir}/worker.sock"
+    core_addr = f"unix:{run_dir}/core.sock"
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     failed: list[str] = []
-    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()))
+    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir,
+                            env={**os.environ, **settings.to_env((PUBLIC,))})
     supervisor.start("worker", _cli(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
     supervisor.start("scheduler", _cli(log_level, "scheduler", "--worker", worker_addr, "--listen", listen,
-                                       "--core-listen", core_addr, *settings.to_argv((CORE, API, PROCESS))))
+                                       "--core-listen", core_addr, *settings.to_argv((CORE, API, PROCESS, PUBLIC))))
     watcher = loop.create_task(supervisor.watch())
     try:
-        if await _wait_ready(core_addr, settings.api_servers, stop):
+        model_name = await _wait_ready(core_addr, settings.api_servers, stop)
+        if model_name is not None:
             supervisor.mark_ready("worker")
             supervisor.mark_ready("scheduler")
-            from scheduler_svc.main import http_url
-
-            print(f"pagewire ready: serving on {listen}{http_url(settings)}", flush=True)
+            log.info("pagewire ready: serving %s on %s%s", model_name, listen, http_url(settings.http_listen))
         await stop.wait()
     finally:
         watcher.cancel()
@@ -73,19 +78,20 @@ async def _serve(settings: Settings, listen: str, log_level: str, worker_addr: s
     return 1 if failed else 0
 
 
-async def _wait_ready(core_addr: str, num_api_servers: int, stop: asyncio.Event) -> bool:
-    """Until the core reports the worker connected and every API server ready (or ``stop``)."""
+async def _wait_ready(core_addr: str, num_api_servers: int, stop: asyncio.Event) -> str | None:
+    """Until the core reports the worker connected and every API server ready: the served model's
+    name (None when ``stop`` came first)."""
     async with grpc.aio.insecure_channel(core_addr) as channel:
         stub = core_pb2_grpc.SchedulerCoreStub(channel)
         while not stop.is_set():
             try:
                 info = await stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=1.0)
                 if info.worker_connected and info.num_api_servers_ready >= num_api_servers:
-                    return True
+                    return info.model_name
             except grpc.RpcError:
                 pass
             try:
                 await asyncio.wait_for(stop.wait(), 0.1)
             except asyncio.TimeoutError:
                 pass
-    return False
+    return None

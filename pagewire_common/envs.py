@@ -7,6 +7,19 @@
 | PAGEWIRE_NVTX | 1: NVTX ranges around the worker step's phases (for Nsight) | off |
 | PAGEWIRE_LOG_LEVEL | default of --log-level | info |
 | PAGEWIRE_EVENT_LOOP | the services' asyncio loop: auto (uvloop when installed), uvloop or asyncio | auto |
+| PAGEWIRE_API_KEY | default of --api-key: clients must send ``authorization: Bearer KEY`` | none |
+
+gRPC reads ``GRPC_VERBOSITY``: every pagewire command sets it to ERROR unless it is set or the
+log level is debug (``pagewire_common.logs``).
+``huggingface_hub`` reads its own (``HF_HUB_CACHE``, ``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``) when a
+model is named by Hugging Face id (``worker_svc.hub``).
+
+Set by a supervisor for the children it starts, not by users:
+
+| variable | meaning |
+| --- | --- |
+| PAGEWIRE_PARENT_PID | the supervisor's pid: the child dies with it |
+| PAGEWIRE_PARENT_RUN_DIR | the supervisor's temp folder: the child removes it if it outlives the supervisor |
 """
 
 from __future__ import annotations
@@ -32,3 +45,26 @@ def log_level() -> str:
 
 def event_loop() -> str:
     return os.environ.get("PAGEWIRE_EVENT_LOOP", "auto").strip().lower() or "auto"
+
+
+API_KEY_ENV = "PAGEWIRE_API_KEY"
+PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
+PARENT_RUN_DIR_ENV = "PAGEWIRE_PARENT_RUN_DIR"
+
+
+def api_key() -> str | None:
+    return read(API_KEY_ENV)
+
+
+def read(name: str) -> str | None:
+    """An environment variable that supplies a setting's default (``pagewire_common.settings``);
+    None when unset or empty."""
+    return os.environ.get(name) or None
+
+
+def pop_parent() -> tuple[int | None, str | None]:
+    """(supervisor pid, its temp folder) for a supervised child, taken out of the environment so
+    that the child's own children do not inherit them."""
+    pid = os.environ.pop(PARENT_PID_ENV, None)
+    run_dir = os.environ.pop(PARENT_RUN_DIR_ENV, None)
+    return (int(pid) if pid else None), (run_dir or None)

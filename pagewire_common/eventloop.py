@@ -46,6 +46,6 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except (ValueError, RuntimeError):
         main.close()  # never awaited: do not leave a "coroutine was never awaited" warning
         raise
-    log.info("event loop: %s", name)
+    log.debug("event loop: %s", name)
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

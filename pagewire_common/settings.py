@@ -10,7 +10,12 @@
 
 A scope says which process a setting configures: ``WORKER`` (model, KV cache), ``CORE``
 (batching, admission), ``API`` (what the API servers do per stream), ``PROCESS`` (process
-layout and lifetime). Adding a setting is one field here and its use.
+layout and lifetime), ``PUBLIC`` (how the public address admits clients: API key, TLS; the API
+servers apply it). Adding a setting is one field here and its use.
+
+A setting with an ``env`` takes its default from that environment variable. A ``secret`` one
+(the API key) never travels on a child's command line, where every user of the machine can
+read it: ``to_env`` hands it over in the child's environment instead.
 Torch-free: every layer imports this.
 """
 
@@ -21,11 +26,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pagewire_common import envs
+
 WORKER = "worker"
 CORE = "core"
 API = "api"
 PROCESS = "process"
-ALL_SCOPES = (WORKER, CORE, API, PROCESS)
+PUBLIC = "public"
+ALL_SCOPES = (WORKER, CORE, API, PROCESS, PUBLIC)
 DTYPES = ("float32", "float16", "bfloat16")
 WORKER_KINDS = ("model", "null")
 
@@ -78,13 +86,25 @@ def _http_address(value) -> str | None:
     return None
 
 
+def _host_port(value) -> str | None:
+    if value is None:
+        return None
+    host, sep, port = str(value).removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return f"must be host:port, got {value!r}"
+    return None
+def _non_empty(value) -> str | None:
+    return None if value is None or (isinstance(value, str) and value.strip()) else "must not be empty"
+
+
 def _setting(default, help: str, *, scope: tuple[str, ...], check=None, type=None, flag=None,
-             negate: str | None = None, metavar=None, choices=None):
+             negate: str | None = None, metavar=None, choices=None, env: str | None = None, secret: bool = False):
     """One setting. ``negate`` names the flag that turns a default-True bool off
-    (``--no-prefix-cache``); ``type`` parses the flag's text."""
-    return field(default=default, metadata=dict(
+    (``--no-prefix-cache``); ``type`` parses the flag's text; ``env`` names the environment
+    variable that gives the flag its default; a ``secret`` is kept out of command lines and reprs."""
+    return field(default=default, repr=not secret, metadata=dict(
         help=help, scope=scope, check=check, type=type, flag=flag, negate=negate, metavar=metavar,
-        choices=choices,
+        choices=choices, env=env, secret=secret,
     ))
 
 
@@ -95,7 +115,8 @@ class Settings:
 
     # ---- worker: model and KV cache --------------------------------------------------------
     model: str | None = _setting(
-        None, "Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        None, "a Hugging Face model directory, a .gguf file, or a Hugging Face id ORG/NAME (from the Hugging Face "
+        "cache, else downloaded; HF_HUB_OFFLINE=1 never downloads) (default: the embedded SmolLM2-135M-Instruct)",
         scope=(WORKER,))
     served_model_name: str | None = _setting(
         None, "name reported by GetModelInfo and accepted in requests (default: the model's name)",
@@ -126,6 +147,21 @@ class Settings:
     cuda_graph_max_batch: int = _setting(
         256, "largest decode batch captured as a CUDA graph (default: %(default)s)", scope=(WORKER,),
         check=_at_least(1), type=int)
+    tensor_parallel_size: int = _setting(
+        1, "shard the model over N worker ranks, one process each (one GPU each on CUDA), joined with "
+        "torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 serves the scheduler and starts the other ranks "
+        "on this machine unless --rank is given (default: %(default)s)", scope=(WORKER,), check=_at_least(1),
+        type=int, metavar="N")
+    distributed_init: str | None = _setting(
+        None, "host:port of the TCP store that joins the ranks, served by rank 0 (default: a free loopback port, "
+        "all ranks on this machine)", scope=(WORKER,), check=_host_port, type=str, metavar="ADDR")
+    rank: int | None = _setting(
+        None, "run only this rank of --world-size ranks started apart (several machines), joined at "
+        "--distributed-init; rank 0 serves the scheduler (default: rank 0, which starts the others itself)",
+        scope=(WORKER,), check=_at_least(0), type=int)
+    world_size: int | None = _setting(
+        None, "how many ranks there are in all, with --rank (equals --tensor-parallel-size, which it sets "
+        "when that is left at 1)", scope=(WORKER,), check=_at_least(1), type=int, metavar="N")
     worker: str = _setting(
         "model", "model: run the model (default); null: no model math, return fixed ordinary tokens using "
         "--model's config and tokenizer only, to measure the control plane (scheduler, gRPC, streaming)",
@@ -174,11 +210,32 @@ class Settings:
         30.0, "seconds to let running requests finish on SIGTERM (default: %(default)s)", scope=(PROCESS,),
         check=_at_least(0), type=float)
 
+    # ---- the public address: who may call, and over what --------------------------------------
+    api_key: str | None = _setting(
+        None, "require every call to carry the metadata 'authorization: Bearer KEY' (gRPC health and reflection "
+        "stay open); calls without it get UNAUTHENTICATED. Prefer the environment variable PAGEWIRE_API_KEY: "
+        "a flag shows in the process list (default: $PAGEWIRE_API_KEY, else no key)", scope=(PUBLIC,),
+        check=_non_empty, metavar="KEY", env=envs.API_KEY_ENV, secret=True)
+    tls_cert_file: str | None = _setting(
+        None, "serve the public address over TLS with this PEM certificate (chain), with --tls-key-file "
+        "(default: plaintext; links between pagewire's own processes stay on unix sockets or loopback)",
+        scope=(PUBLIC,), check=_non_empty, metavar="PATH")
+    tls_key_file: str | None = _setting(
+        None, "the PEM private key of --tls-cert-file", scope=(PUBLIC,), check=_non_empty, metavar="PATH")
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             problem = check(f.name, getattr(self, f.name))
             if problem:
                 raise ValueError(problem)
+        _check_ranks(self)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("--tls-cert-file and --tls-key-file go together: give both or neither")
+
+    @property
+    def num_ranks(self) -> int:
+        """The worker's tensor-parallel ranks (``--world-size`` when given, else ``--tensor-parallel-size``)."""
+        return self.world_size or self.tensor_parallel_size
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)
@@ -188,7 +245,7 @@ class Settings:
         argv: list[str] = []
         for f in _fields(scopes):
             value = getattr(self, f.name)
-            if value == f.default:
+            if value == f.default or f.metadata["secret"]:
                 continue
             meta = f.metadata
             if meta["negate"]:
@@ -197,12 +254,31 @@ class Settings:
                 argv += [flag_of(f), str(value)]
         return argv
 
+    def to_env(self, scopes: tuple[str, ...]) -> dict[str, str]:
+        """The environment variables that hand a child the secret settings of ``scopes``."""
+        return {f.metadata["env"]: getattr(self, f.name) for f in _fields(scopes)
+                if f.metadata["secret"] and getattr(self, f.name) is not None}
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> "Settings":
         """Settings from a parsed namespace: the fields it has, defaults for the rest."""
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         given.update(overrides)
         return cls(**given)
+
+
+def _check_ranks(settings: "Settings") -> None:
+    """The ranks' settings agree: --rank needs --world-size and --distributed-init, and the world
+    is the tensor-parallel group (every rank holds one shard)."""
+    tp, world, rank = settings.tensor_parallel_size, settings.world_size, settings.rank
+    if world is not None and tp not in (1, world):
+        raise ValueError(f"--world-size ({world}) must equal --tensor-parallel-size ({tp}): every rank is a "
+                         "tensor-parallel rank")
+    if rank is not None:
+        if world is None or settings.distributed_init is None:
+            raise ValueError("--rank needs --world-size and --distributed-init (the address rank 0 listens on)")
+        if rank >= world:
+            raise ValueError(f"--rank ({rank}) must be below --world-size ({world})")
 
 
 SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings))
@@ -251,7 +327,10 @@ def add_arguments(parser: argparse.ArgumentParser, scopes: tuple[str, ...], *, t
             group.add_argument(meta["negate"], dest=f.name, action="store_const", const=False,
                                default=None if unset_defaults else f.default, help=meta["help"])
             continue
-        kwargs: dict[str, Any] = dict(dest=f.name, default=None if unset_defaults else f.default, help=meta["help"])
+        default = f.default
+        if meta["env"] and not unset_defaults:
+            default = envs.read(meta["env"]) or default
+        kwargs: dict[str, Any] = dict(dest=f.name, default=None if unset_defaults else default, help=meta["help"])
         if meta["type"] is not None:
             kwargs["type"] = _argparse_type(f.name, meta["type"])
         if meta["choices"]:

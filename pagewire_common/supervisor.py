@@ -9,15 +9,20 @@
   the supervisor gives up with a message that says which child and how often.
 - Children die with their parent: each one asks the kernel for SIGTERM when its parent goes
   (``die_with_parent``, called at the start of every pagewire command), so a hard kill of the
-  parent leaves no child behind.
+  parent leaves no child behind. Until a service installs its own handler, SIGTERM unwinds the
+  child like an exception (``finally`` blocks and ``atexit`` run: no half-written files). The
+  parent's temp folder (``run_dir``) is removed by whichever child outlives the parent, so a
+  hard kill leaves no folder behind either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,26 +31,41 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-log = logging.getLogger("pagewire")
+from pagewire_common import envs
 
-PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
+log = logging.getLogger("pagewire.supervisor")
+
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int | str | None = None) -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """In a child (started by a ``Supervisor``, or ``parent`` given): have the kernel send SIGTERM
-    when the parent dies (Linux), and exit at once if it already has."""
-    if parent is None:
-        parent = os.environ.pop(PARENT_PID_ENV, None)
+    when the parent dies (Linux), exit at once if it already has, let SIGTERM raise SystemExit,
+    and remove the parent's temp folder at exit when the parent is gone by then."""
+    env_parent, run_dir = envs.pop_parent()
+    parent = env_parent if parent is None else int(parent)
     if parent is None or not sys.platform.startswith("linux"):
         return
+    if run_dir:
+        atexit.register(_remove_if_orphaned, run_dir, parent)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != int(parent):  # the parent died before we got here
+    if os.getppid() != parent:  # the parent died before we got here
         sys.exit(1)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _remove_if_orphaned(run_dir: str, parent: int) -> None:
+    # the kernel hands an orphan to another parent before it delivers the parent-death signal
+    if os.getppid() != parent:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @dataclass(slots=True)
@@ -61,12 +81,14 @@ class Child:
 
 class Supervisor:
     def __init__(self, *, max_restarts: int = 5, window_s: float = 60.0, stable_s: float = 30.0,
-                 on_give_up: Callable[[str], None] | None = None, env: dict[str, str] | None = None):
+                 on_give_up: Callable[[str], None] | None = None, env: dict[str, str] | None = None,
+                 run_dir: str | None = None):
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.stable_s = stable_s  # a child that ran this long starts its back-off over
         self.on_give_up = on_give_up or (lambda message: None)
         self.env = env
+        self.run_dir = run_dir  # our temp folder: a child that outlives us removes it
         self.children: dict[str, Child] = {}
         self.stopping = False
         self.gave_up: str | None = None
@@ -80,7 +102,9 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         env = dict(self.env if self.env is not None else os.environ)
-        env[PARENT_PID_ENV] = str(os.getpid())
+        env[envs.PARENT_PID_ENV] = str(os.getpid())
+        if self.run_dir:
+            env[envs.PARENT_RUN_DIR_ENV] = self.run_dir
         env.setdefault("PYTHONUNBUFFERED", "1")
         # its own session: a terminal's Ctrl-C reaches it only through us, after we decide
         child.proc = subprocess.Popen(child.argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
@@ -116,8 +140,7 @@ class Supervisor:
                         f"the {child.name} crashed {len(times) + 1} times within {self.window_s:.0f} s "
                         f"(last exit code {code})")
                 times.append(now)
-                print(f"pagewire: the {child.name} exited with code {code}; restarting it in {child.backoff:.1f} s",
-                      file=sys.stderr, flush=True)
+                log.warning("the %s exited with code %s; restarting it in %.1f s", child.name, code, child.backoff)
                 child.proc = None
                 asyncio.get_running_loop().call_later(child.backoff, self._restart, child)
                 child.backoff = min(child.backoff * 2, 8.0)
@@ -130,7 +153,7 @@ class Supervisor:
 
     def _give_up(self, message: str) -> None:
         self.gave_up = message
-        print(f"pagewire: {message}; stopping", file=sys.stderr, flush=True)
+        log.error("%s; stopping", message)
         self.on_give_up(message)
 
     async def stop(self, timeout: float = 10.0, names: list[str] | None = None) -> None:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import wire
+from pagewire_common.addresses import add_port
 from pagewire_common.v1 import core_pb2, core_pb2_grpc, generation_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.api_request import (
@@ -31,6 +32,7 @@ from scheduler_svc.api_request import (
     RequestError,
     open_request,
 )
+from scheduler_svc.auth import ApiKeyInterceptor, TlsFiles
 from scheduler_svc.core_service import Outbox
 from scheduler_svc.engine import RequestOutput
 from scheduler_svc.output import TextStream
@@ -446,23 +448,24 @@ def _response(request_id: str, items: list[RequestOutput]) -> pb.GenerateRespons
     return resp
 
 
-async def build_server(api: ApiServer, listen: str, reuse_port: bool):
+async def build_server(api: ApiServer, listen: str, reuse_port: bool, *, api_key: str | None = None,
+                       tls: TlsFiles | None = None):
     """A started grpc.aio server with Generation, health and reflection; returns
-    (server, port, servicer, health servicer)."""
+    (server, port, servicer, health servicer). With ``api_key`` every call but health and
+    reflection needs it; with ``tls`` the address speaks TLS only."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.so_reuseport", 1 if reuse_port else 0),
-        ]
+        ],
+        interceptors=[ApiKeyInterceptor(api_key)] if api_key is not None else None,
     )
     servicer = GenerationServicer(api)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(listen)
-    if port == 0 and not listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {listen}")
+    port = add_port(server, listen, tls.grpc_credentials() if tls is not None else None)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

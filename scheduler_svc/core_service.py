@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from pagewire_common import wire
+from pagewire_common.addresses import peer_name
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
@@ -273,7 +274,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
     def open_client(self, peer: str = "") -> ApiClient:
         client = ApiClient(next(self._client_ids), peer)
         self._clients[client.client_id] = client
-        log.info("API server %d connected (%s)", client.client_id, peer or "in process")
+        log.info("API server %d connected (%s)", client.client_id, peer_name(peer))
         return client
 
     def close_client(self, client: ApiClient) -> None:

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from scheduler_svc import metrics as metrics_mod
 from scheduler_svc.api_request import ApiRequest, RequestError, open_request
+from scheduler_svc.auth import check_authorization
 from scheduler_svc.engine import RequestOutput
 from scheduler_svc.openai_protocol import (
     LogprobsBuilder, OpenAIError, ParsedRequest, bad, merge_logprobs, parse, parse_messages, usage_dict,
@@ -44,11 +45,12 @@ def error_response(err: OpenAIError) -> web.Response:
 class OpenAIDoor:
     """The HTTP routes of one API server."""
 
-    def __init__(self, api):
+    def __init__(self, api, api_key: str | None = None):
         self.api = api
+        self.api_key = api_key
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors, self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -68,6 +70,14 @@ class OpenAIDoor:
             if e.status < 400:
                 raise
             return error_response(OpenAIError(e.status, e.reason, "invalid_request_error"))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        # /health stays open, as gRPC health does: load balancers probe it without a key
+        if request.path != "/health" and not check_authorization(request.headers.get("Authorization"), self.api_key):
+            raise OpenAIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                              "authentication_error", code="invalid_api_key")
+        return await handler(request)
 
     # ---- small endpoints -----------------------------------------------------------------------
 
@@ -316,13 +326,17 @@ class _Answer:
         return b"data: " + _dumps(body) + b"\n\n"
 
 
-async def start_http(api, listen: str, reuse_port: bool) -> tuple[web.AppRunner, int]:
-    """Serve the OpenAI door on ``listen`` (host:port); returns the runner and the bound port."""
+async def start_http(api, listen: str, reuse_port: bool, *, api_key: str | None = None,
+                     ssl_context=None) -> tuple[web.AppRunner, int]:
+    """Serve the OpenAI door on ``listen`` (host:port); returns the runner and the bound port. With
+    ``api_key`` every route but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise);
+    with ``ssl_context`` the address speaks HTTPS only."""
     host, _, port = listen.rpartition(":")
-    runner = web.AppRunner(OpenAIDoor(api).app(), access_log=None, handler_cancellation=True,
+    runner = web.AppRunner(OpenAIDoor(api, api_key).app(), access_log=None, handler_cancellation=True,
                            shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), reuse_port=reuse_port or None)
+    site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port), reuse_port=reuse_port or None,
+                       ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as e:

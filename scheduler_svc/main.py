@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -24,51 +23,27 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagewire_common.settings import API, Settings
+from pagewire_common.addresses import add_port, check_address_free, describe, http_url
+from pagewire_common.settings import API, PUBLIC, Settings
 from pagewire_common.supervisor import Supervisor
 from pagewire_common.v1 import core_pb2_grpc
 from scheduler_svc.api_server import SERVICE_NAME, ApiServer, build_server
+from scheduler_svc.auth import TlsFiles
 from scheduler_svc.core_service import CoreService
 from scheduler_svc.http_server import start_http
 from scheduler_svc.metrics import MULTIPROC_ENV, RequestMetrics
 from scheduler_svc.metrics import multiprocess_dir as metrics_multiprocess_dir
 
 log = logging.getLogger("pagewire.scheduler")
+api_log = logging.getLogger("pagewire.api")
 CORE_SERVICE_NAME = "pagewire.v1.SchedulerCore"
 
 
-def check_address_free(listen: str, wait_s: float = 0.0) -> str:
-    """Fail clearly when the public address is taken (SO_REUSEPORT would otherwise let a second
-    server share it silently); resolve port 0 to a free port. Returns the address to use.
-    ``wait_s``: keep trying that long first (a restarted scheduler's old API servers may still be
-    letting go of the port)."""
-    if listen.startswith("unix:"):
-        return listen
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    deadline = time.monotonic() + wait_s
-    while True:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, int(port)))
-                bound = s.getsockname()[1]
-                break
-            except OSError as e:
-                if time.monotonic() >= deadline:
-                    raise OSError(f"cannot listen on {listen}: {e.strerror} (is another server running there?)") from None
-        time.sleep(0.1)
-    return f"{listen.rpartition(':')[0]}:{bound}"
-
-
 def api_server_argv(core_address: str, listen: str, settings: Settings, log_level: str) -> list[str]:
+    """The command line of an API server (the API key travels in its environment: ``to_env``)."""
     return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "api-server",
             "--scheduler", core_address, "--listen", listen, "--reuse-port", "--http-listen", settings.http_listen,
-            "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((API,))]
-
-
-def http_url(settings: Settings) -> str:
-    return "" if settings.http_listen == "off" else f", OpenAI HTTP on http://{settings.http_listen}"
+            "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((API, PUBLIC))]
 
 
 async def run_scheduler(worker_address: str, listen: str, settings: Settings, *, core_listen: str | None = None,
@@ -77,7 +52,10 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
     listen = check_address_free(listen, wait_s=5.0)
     if settings.http_listen != "off":
         settings = settings.replace(http_listen=check_address_free(settings.http_listen, wait_s=5.0))
+    TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)  # a bad file stops us here, not each API server
     loop = asyncio.get_running_loop()
+    if core_listen is not None:
+        check_address_free(core_listen)
     tmpdir = tempfile.mkdtemp(prefix="pagewire-core-")
     if core_listen is None:
         core_listen = f"unix:{tmpdir}/core.sock"
@@ -114,14 +92,19 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
                                       ("grpc.http2.max_pings_without_data", 0)])
     core_pb2_grpc.add_SchedulerCoreServicer_to_server(core, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(core_listen) == 0 and not core_listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {core_listen}")
+    try:
+        add_port(server, core_listen)
+    except OSError:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
     await server.start()
     await health_servicer.set(CORE_SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     core.start()
 
     failed: list[str] = []
-    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()))
+    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()),
+                            env={**os.environ, **settings.to_env((PUBLIC,))})
     for i in range(settings.api_servers):
         supervisor.start(f"API server {i + 1}", api_server_argv(core_listen, listen, settings, log_level))
     watcher = loop.create_task(supervisor.watch())
@@ -134,11 +117,10 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
                 supervisor.mark_ready(name)
             gc.collect()
             gc.freeze()  # what exists now lives as long as the process: keep it out of full collections
-            info = core.worker_info
-            print(f"pagewire scheduler ready on {listen}{http_url(settings)} with {settings.api_servers} API "
-                  f"server(s), worker {worker_address}: {info.model_name}", flush=True)
+            log.info("scheduler ready on %s%s with %d API server(s), worker %s: %s", listen,
+                     http_url(settings.http_listen), settings.api_servers, worker_address, core.worker_info.model_name)
         await stop.wait()
-        print("pagewire: shutting down: no new requests, letting running ones finish...", flush=True)
+        log.info("shutting down: no new requests, letting running ones finish")
         # the API servers drain: they refuse new calls and wait for theirs, which the core keeps stepping
         await supervisor.stop(timeout=settings.shutdown_timeout + 5)
         watcher.cancel()
@@ -171,13 +153,20 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         if health_holder and not api.draining:
             loop.create_task(_set())
 
+    if not reuse_port:
+        check_address_free(listen)
+        if settings.http_listen != "off":
+            check_address_free(settings.http_listen)
+    tls = TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
     api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics())
-    server, port, servicer, health_servicer = await build_server(api, listen, reuse_port)
+    server, port, servicer, health_servicer = await build_server(api, listen, reuse_port, api_key=settings.api_key,
+                                                                 tls=tls)
     health_holder.append(health_servicer)
     http_runner = None
     if settings.http_listen != "off":
         try:
-            http_runner, http_port = await start_http(api, settings.http_listen, reuse_port)
+            http_runner, http_port = await start_http(api, settings.http_listen, reuse_port, api_key=settings.api_key,
+                                                      ssl_context=tls.ssl_context() if tls is not None else None)
         except OSError:
             await server.stop(grace=None)
             raise
@@ -194,8 +183,8 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     if not stop.is_set():
         gc.collect()
         gc.freeze()
-        print(f"pagewire api-server ready on {listen}{http_url(settings)} (pid {os.getpid()}), "
-              f"scheduler {core_address}", flush=True)
+        api_log.info("api-server ready on %s%s (pid %d), scheduler core %s", describe(listen, port),
+                     http_url(settings.http_listen), os.getpid(), core_address)
     await stop.wait()
     api.draining = True
     await health_servicer.enter_graceful_shutdown()
@@ -203,7 +192,7 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     while api.pending and time.monotonic() < deadline and api.core_connected:
         await asyncio.sleep(0.05)
     if api.pending:
-        log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
+        api_log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
     if http_runner is not None:
         await http_runner.cleanup()
     await server.stop(grace=1.0)

@@ -29,13 +29,13 @@ def free_port() -> int:
 class Proc:
     """A pagewire subcommand running in its own process group, with its output in a log file."""
 
-    def __init__(self, argv: list[str], log_path: Path):
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
         if argv[0] in ("serve", "scheduler", "api-server") and "--http-listen" not in argv:
             argv = [*argv, "--http-listen", "127.0.0.1:0"]  # a free port, never the shared default
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagewire.cli", *argv],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -146,3 +146,12 @@ def descendants(pid: int) -> list[tuple[int, str]]:
         found.append((child, argv))
         stack += children.get(child, [])
     return found
+
+
+def is_gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -162,6 +162,33 @@ def test_both_doors_side_by_side(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_served_server_dies_with_a_bench_killed_hard(tmp_path):
+    import signal
+    import time
+
+    from tests.service_utils import descendants, is_gone, wait_until
+
+    addr = f"127.0.0.1:{free_port()}"
+    server_log = tmp_path / "server.log"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "pagewire.cli", "bench", "--no-progress", "--serve", "--addr", addr, "--server-log",
+         str(server_log), "--worker", "null", "--model", str(get_tiny_model("llama-gqa")), "--num-requests", "100000",
+         "--concurrency", "4", "--max-new-tokens", "64", "--ignore-eos", "--prompt-len", "8"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: server_log.exists() and "pagewire ready" in server_log.read_text(), timeout=120)
+        time.sleep(0.5)  # the load is running
+        tree = [pid for pid, argv in descendants(bench.pid) if "pagewire.cli" in argv]
+        assert len(tree) >= 4  # serve, worker, scheduler, API server
+        os.kill(bench.pid, signal.SIGKILL)
+        bench.wait()
+        wait_until(lambda: all(is_gone(pid) for pid in tree), timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
+@pytest.mark.slow
 def test_sampling_mixes_are_columns_of_one_run(tmp_path):
     # the same workload three times: plain greedy, then half the requests with penalties, then half
     # with a JSON schema (open-ended, so under --ignore-eos every request still makes its tokens)

@@ -16,6 +16,7 @@ from tests.service_utils import REPO, Proc, free_port, sampling, stub
 
 COMPOSE = REPO / "docker-compose.yml"
 COMPOSE_GPU = REPO / "docker-compose.gpu.yml"
+COMPOSE_TLS = REPO / "docker-compose.tls.yml"
 SMOLLM2_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -45,18 +46,52 @@ def test_compose_structure():
     worker, scheduler = doc["services"]["worker"], doc["services"]["scheduler"]
     assert worker["command"][0] == "worker" and scheduler["command"][0] == "scheduler"
     assert scheduler["depends_on"]["worker"]["condition"] == "service_healthy"
-    assert "50051:50051" in scheduler["ports"] and "8000:8000" in scheduler["ports"]
+    # the public ports (gRPC, OpenAI HTTP) are published on the host's loopback unless
+    # PAGEWIRE_PUBLISH says otherwise; the worker's never
+    assert scheduler["ports"] == ["${PAGEWIRE_PUBLISH:-127.0.0.1}:50051:50051",
+                                  "${PAGEWIRE_PUBLISH:-127.0.0.1}:8000:8000"] and "ports" not in worker
+    assert scheduler["environment"] == {"PAGEWIRE_API_KEY": "${PAGEWIRE_API_KEY:-}"}
     # both tiers come back when they die; the scheduler runs several API servers
     assert worker["restart"] == scheduler["restart"] == "unless-stopped"
     assert int(scheduler["command"][scheduler["command"].index("--api-servers") + 1]) >= 2
     # a CPU-only host can run the base file: the GPU request lives in the override file
     assert "deploy" not in worker
-    gpu = compose(COMPOSE_GPU)["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    gpu_worker = compose(COMPOSE_GPU)["services"]["worker"]
+    gpu = gpu_worker["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"] and gpu["driver"] == "nvidia"
+    # the CPU build of torch by default, PyPI's CUDA build (an empty index) with the GPU
+    assert worker["build"]["args"]["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    assert gpu_worker["build"]["args"]["TORCH_INDEX"] == ""
     # the scheduler reaches the worker at the address the worker listens on
     worker_port = worker["command"][worker["command"].index("--listen") + 1].rsplit(":", 1)[1]
     assert scheduler["command"][scheduler["command"].index("--worker") + 1] == f"worker:{worker_port}"
     assert (REPO / "Dockerfile").is_file()
+
+
+def test_every_compose_command_is_a_valid_command_line():
+    from pagewire.cli import build_parser
+
+    tls = compose(COMPOSE_TLS)["services"]["scheduler"]
+    assert "./certs:/certs:ro" in tls["volumes"]
+    commands = [service["command"] for doc in (compose(), compose(COMPOSE_TLS)) for service in doc["services"].values()]
+    for command in commands:
+        build_parser().parse_args(command)  # SystemExit on an unknown flag
+    args = build_parser().parse_args(tls["command"])
+    assert (args.tls_cert_file, args.tls_key_file) == ("/certs/server.crt", "/certs/server.key")
+    check = tls["healthcheck"]["test"]
+    assert check[check.index("--tls-ca-file") + 1] == args.tls_cert_file
+
+
+def test_the_docker_build_context_holds_only_what_the_dockerfile_copies():
+    rules = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert rules[0] == "*"  # everything out (.venv, .cache, .git: gigabytes), then back in:
+    allowed = {rule[1:] for rule in rules if rule.startswith("!")}
+    copied = set()
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            copied.update(line.split()[1:-1])
+    assert allowed == copied
 
 
 def test_docker_compose_config_validates():
@@ -64,7 +99,7 @@ def test_docker_compose_config_validates():
         if os.environ.get("CI"):
             pytest.fail("docker-compose (Debian package) is missing in CI: .ci/run installs it")
         pytest.skip("docker-compose (Debian package) not installed: apt-get install docker-compose")
-    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU], [COMPOSE, COMPOSE_TLS]):
         argv = ["docker-compose", *(a for f in files for a in ("-f", str(f))), "config", "-q"]
         out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
         assert out.returncode == 0, out.stderr

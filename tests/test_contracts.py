@@ -155,7 +155,9 @@ def test_readme_shows_only_flags_that_exist():
     options = {name: set(p._option_string_actions) for name, p in commands.items()}
     everywhere = set(parser._option_string_actions).union(*options.values())
     text = (REPO / "README.md").read_text()
-    unknown = sorted(set(re.findall(r"--[a-z][a-z0-9-]*", text)) - everywhere)
+    # docker compose's own flags (--build) are not ours
+    ours = "\n".join(line for line in text.splitlines() if "docker" not in line)
+    unknown = sorted(set(re.findall(r"--[a-z][a-z0-9-]*", ours)) - everywhere)
     assert not unknown, f"README.md shows flags no command has: {unknown}"
 
     fence = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)

@@ -8,16 +8,16 @@ import dataclasses
 import pytest
 
 from pagewire.cli import build_parser
-from pagewire_common.settings import ALL_SCOPES, API, CORE, PROCESS, WORKER, Settings, flag_of
+from pagewire_common.settings import ALL_SCOPES, API, CORE, PROCESS, PUBLIC, WORKER, Settings, flag_of
 from scheduler_svc.config import SchedulerConfig
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # the settings of each command's process(es)
 COMMANDS = {
-    "serve": (WORKER, CORE, API, PROCESS),
+    "serve": (WORKER, CORE, API, PROCESS, PUBLIC),
     "worker": (WORKER,),
-    "scheduler": (CORE, API, PROCESS),
-    "api-server": (API,),
+    "scheduler": (CORE, API, PROCESS, PUBLIC),
+    "api-server": (API, PUBLIC),
 }
 REQUIRED = {"worker": ["--listen", "x"], "scheduler": ["--worker", "x"], "api-server": ["--scheduler", "x"]}
 # a non-default value for each setting, to see it travel
@@ -25,7 +25,9 @@ SAMPLE = dict(model="/m", served_model_name="m", dtype="bfloat16", device="cpu",
               kv_cache_bytes=1 << 20, max_model_len=99, num_threads=3, cuda_graphs=False, cuda_graph_max_batch=12,
               worker="null", max_num_batched_tokens=48, max_num_seqs=5, enable_prefix_caching=False,
               max_queued_requests=7, overlap=False, admission_turns=4, prefill_pacing_steps=9, stream_interval=3,
-              api_servers=2, shutdown_timeout=4.5)
+              api_servers=2, http_listen="127.0.0.1:9", shutdown_timeout=4.5, tensor_parallel_size=2,
+              distributed_init="10.0.0.1:29500", rank=1, world_size=2, api_key="k3y", tls_cert_file="/c.pem",
+              tls_key_file="/k.pem")
 
 
 def test_every_setting_has_help_a_scope_and_a_sample():
@@ -41,7 +43,7 @@ def test_each_command_has_the_flags_of_its_scopes_with_the_declared_defaults(com
     scopes = COMMANDS[command]
     for name, f in FIELDS.items():
         wanted = bool(set(f.metadata["scope"]) & set(scopes)) and not (command == "api-server" and name == "api_servers")
-        if command == "api-server" and name == "shutdown_timeout":
+        if command == "api-server" and name in ("shutdown_timeout", "http_listen"):
             wanted = True
         assert hasattr(args, name) == wanted, (command, name)
         if wanted:
@@ -49,16 +51,33 @@ def test_each_command_has_the_flags_of_its_scopes_with_the_declared_defaults(com
     assert Settings.from_args(args) == Settings()
 
 
-def test_child_flags_round_trip_through_the_commands_that_run_them():
+def test_child_flags_round_trip_through_the_commands_that_run_them(monkeypatch):
     settings = Settings(**SAMPLE)
-    parser = build_parser()
     for command, scopes in COMMANDS.items():
         argv = settings.to_argv(scopes)
+        assert "k3y" not in argv  # a secret travels in the environment, never on a command line
+        monkeypatch.delenv("PAGEWIRE_API_KEY", raising=False)
+        for name, value in settings.to_env(scopes).items():
+            monkeypatch.setenv(name, value)
+        parser = build_parser()  # flag defaults are read from the environment when it is built
         parsed = Settings.from_args(parser.parse_args([command, *REQUIRED.get(command, []), *argv]))
         for name, f in FIELDS.items():
             if set(f.metadata["scope"]) & set(scopes) and hasattr(parser.parse_args([command, *REQUIRED.get(command, [])]), name):
                 assert getattr(parsed, name) == SAMPLE[name], (command, name)
-    assert Settings().to_argv(ALL_SCOPES) == []  # defaults are not repeated
+    assert Settings().to_argv(ALL_SCOPES) == [] and Settings().to_env(ALL_SCOPES) == {}  # defaults are not repeated
+    assert "k3y" not in repr(settings)
+
+
+def test_the_api_key_defaults_to_its_environment_variable_and_tls_files_go_in_pairs(monkeypatch):
+    monkeypatch.setenv("PAGEWIRE_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("PAGEWIRE_API_KEY")
+    assert build_parser().parse_args(["serve"]).api_key is None
+    with pytest.raises(ValueError, match="--api-key"):
+        Settings(api_key="")
+    with pytest.raises(ValueError, match="--tls-cert-file and --tls-key-file go together"):
+        Settings(tls_cert_file="/c.pem")
 
 
 @pytest.mark.parametrize("name, bad", [("max_num_seqs", 0), ("block_size", 12), ("dtype", "int4"),
@@ -71,6 +90,21 @@ def test_bad_values_are_refused_by_the_flag_and_by_the_object(name, bad, capsys)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", flag_of(FIELDS[name]), str(bad)])
     assert flag_of(FIELDS[name]) in capsys.readouterr().err
+
+
+def test_rank_settings_must_agree():
+    assert Settings(tensor_parallel_size=4).num_ranks == 4
+    assert Settings(world_size=4, rank=0, distributed_init="h:1").num_ranks == 4  # --world-size alone sets it
+    with pytest.raises(ValueError, match="--world-size .* must equal --tensor-parallel-size"):
+        Settings(tensor_parallel_size=2, world_size=4)
+    with pytest.raises(ValueError, match="--rank needs --world-size and --distributed-init"):
+        Settings(rank=1, world_size=2)
+    with pytest.raises(ValueError, match="--rank .* must be below --world-size"):
+        Settings(rank=2, world_size=2, distributed_init="h:1")
+    with pytest.raises(ValueError, match="--distributed-init"):
+        Settings(distributed_init="no-port")
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        Settings(tensor_parallel_size=0)
 
 
 def test_component_configs_take_their_defaults_and_checks_from_the_settings():
@@ -111,7 +145,8 @@ def test_the_bench_passes_every_engine_setting_through():
 
     parser = build_parser()
     passed = {name for _flag, name in passthrough_flags()}
-    assert passed == set(FIELDS) - {"served_model_name", "shutdown_timeout"}
+    # the bench's client sends no key and speaks plaintext: the public address's settings stay out
+    assert passed == set(FIELDS) - {"served_model_name", "shutdown_timeout", "api_key", "tls_cert_file", "tls_key_file"}
     argv = ["bench", "--serve"]
     for flag, name in passthrough_flags():
         if FIELDS[name].metadata["negate"]:

@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-# Measured full-text losses (ln(512) = 6.24): gpt2 0.38, llama-gqa 0.09, qwen2-bias 0.12.
-MAX_TEXT_LOSS = {"gpt2": 1.2, "llama-gqa": 0.6, "qwen2-bias": 0.6}
+# Measured full-text losses (ln(512) = 6.24): gpt2 0.38, llama-gqa 0.09, qwen2-bias 0.12, qwen3 0.12.
+MAX_TEXT_LOSS = {"gpt2": 1.2, "llama-gqa": 0.6, "qwen2-bias": 0.6, "qwen3": 0.6}
 # Measured median top-2 logit margins at greedy steps: gpt2 3.1, llama-gqa 5.8, qwen2-bias 5.1.
 MIN_MEDIAN_MARGIN = 0.75
 
@@ -79,7 +79,7 @@ def test_directory_loads(tiny):
     assert model.config.vocab_size == len(tok) == tm.VOCAB_SIZE
     assert model.dtype == torch.float32
     assert model.generation_config.do_sample is False
-    assert model.config.model_type == {"gpt2": "gpt2", "llama-gqa": "llama", "qwen2-bias": "qwen2"}[kind]
+    assert model.config.model_type == {"gpt2": "gpt2", "llama-gqa": "llama", "qwen2-bias": "qwen2", "qwen3": "qwen3"}[kind]
     if kind == "llama-gqa":
         assert model.config.num_key_value_heads == 2 < model.config.num_attention_heads
         assert not model.config.tie_word_embeddings
@@ -88,6 +88,11 @@ def test_directory_loads(tiny):
         assert model.config.tie_word_embeddings
         assert model.model.layers[0].self_attn.q_proj.bias is not None
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    if kind == "qwen3":
+        # head_dim apart from hidden // heads, one KV head (replicated over tensor-parallel ranks)
+        assert model.config.head_dim * model.config.num_attention_heads != model.config.hidden_size
+        assert model.config.num_key_value_heads == 1
+        assert model.model.layers[0].self_attn.q_norm.weight.shape == (model.config.head_dim,)
 
 
 def test_special_tokens_and_chat_template(tiny):

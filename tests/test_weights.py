@@ -106,8 +106,6 @@ def test_resolve_model_path_dir_and_errors(tmp_path):
     assert resolve_model_path(str(model_dir)) == model_dir
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_path(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     other = tmp_path / "weights.bin"
     other.write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="neither a model directory nor a .gguf"):
@@ -191,14 +189,15 @@ def single_prompt_metadata(num_tokens: int, block_ids: list[int], block_size: in
 
 
 @pytest.mark.slow
-def test_embedded_gguf_converts_once_and_matches_transformers(tmp_path, capfd, monkeypatch):
+def test_embedded_gguf_converts_once_and_matches_transformers(tmp_path, caplog, monkeypatch):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from kvcache.paged import PagedKVCache
 
     cache = tmp_path / "cache"
-    model_dir = resolve_model_path(None, cache_dir=cache)
-    assert "pagewire: converting SmolLM2-135M-Instruct.Q4_1.gguf to safetensors" in capfd.readouterr().err
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        model_dir = resolve_model_path(None, cache_dir=cache)
+    assert "converting SmolLM2-135M-Instruct.Q4_1.gguf to safetensors" in caplog.text
     assert model_dir.parent == cache and model_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     names = {p.name for p in model_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= names
@@ -238,7 +237,9 @@ def test_embedded_gguf_converts_once_and_matches_transformers(tmp_path, capfd, m
 
     # a second resolve finds the converted directory and does not convert again
     monkeypatch.setattr(weights, "convert_gguf", lambda *a: pytest.fail("converted twice"))
+    caplog.clear()
     start = time.monotonic()
-    assert resolve_model_path(None, cache_dir=cache) == model_dir
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        assert resolve_model_path(None, cache_dir=cache) == model_dir
     assert time.monotonic() - start < 1.0
-    assert "converting" not in capfd.readouterr().err
+    assert "converting" not in caplog.text

@@ -7,7 +7,7 @@ continuations depend on the context and the top choice usually wins by a clear m
 
 Public API::
 
-    TINY_KINDS                          # ("gpt2", "llama-gqa", "qwen2-bias")
+    TINY_KINDS                          # ("gpt2", "llama-gqa", "qwen2-bias", "qwen3")
     build_tiny_model(kind, out_dir)     # build a complete HF model directory (deterministic)
     get_tiny_model(kind)                # cached build under <repo>/.cache/tiny-models/
     sample_prompts(tokenizer_dir, n=8)  # deterministic prompts (token-id lists), lengths 1..120
@@ -35,7 +35,7 @@ from pathlib import Path
 
 VERSION = "1"
 
-TINY_KINDS = ("gpt2", "llama-gqa", "qwen2-bias")
+TINY_KINDS = ("gpt2", "llama-gqa", "qwen2-bias", "qwen3")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Overridable (e.g. a shared CI cache); defaults to the git-ignored <repo>/.cache/tiny-models.
@@ -191,7 +191,7 @@ def _write_tokenizer(tok, kind: str, out_dir: Path) -> None:
 
 
 def _make_config(kind: str, vocab_size: int, eos_id: int):
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
     pad_id = SPECIAL_TOKENS.index("<|endoftext|>")
     if kind == "gpt2":
@@ -226,6 +226,11 @@ def _make_config(kind: str, vocab_size: int, eos_id: int):
     if kind == "qwen2-bias":
         # Qwen2 always has q/k/v projection biases (and none on o_proj).
         return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+    if kind == "qwen3":
+        # head_dim stated apart from hidden_size // heads (as in real Qwen3), and one KV head, so
+        # that two tensor-parallel ranks each hold a replica of it
+        return Qwen3Config(**{**common, "num_key_value_heads": 1}, head_dim=32, tie_word_embeddings=True,
+                           use_sliding_window=False)
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {TINY_KINDS}")
 
 

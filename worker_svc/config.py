@@ -8,10 +8,11 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("gpt2", "llama")
+SUPPORTED_ARCHITECTURES = ("gpt2", "llama", "qwen3")
 # Hugging Face model_type -> our architecture. Mistral and Qwen2 are Llama-shaped (RMSNorm, RoPE,
-# gated SiLU MLP); they differ only in which projections carry a bias.
-MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+# gated SiLU MLP); they differ only in which projections carry a bias. Qwen3 adds an RMSNorm per
+# head on queries and keys, and states its head_dim.
+MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -20,6 +21,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
     "mistral": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
     "qwen2": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
+    "qwen3": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
 }
 
 
@@ -27,7 +29,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 class ModelConfig:
     """What our model code needs to know about a checkpoint; validated once, passed whole."""
 
-    architecture: str  # "gpt2" | "llama"
+    architecture: str  # "gpt2" | "llama" | "qwen3"
     model_type: str  # the raw Hugging Face model_type
     vocab_size: int
     hidden_size: int
@@ -168,6 +170,8 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(cfg)
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
+        elif model_type == "qwen3" and cfg.get("head_dim") is None:
+            cfg = {**cfg, "head_dim": 128}  # Qwen3Config's default, not hidden_size // heads
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
         max_model_len = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
@@ -176,7 +180,7 @@ class ModelConfig:
         if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
             max_model_len = min(max_model_len, window)
         return cls(
-            architecture="llama",
+            architecture=MODEL_TYPES[model_type],
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,

@@ -74,8 +74,8 @@ class NullRunner:
             BlockTables(self.max_blocks_per_seq, "cpu"), self.block_size, self.num_kv_blocks
         )
         self.num_block_copies = 0
-        log.info(
-            "null worker ready: %s config, no model math, %d KV blocks of %d tokens (none allocated), "
+        log.debug(
+            "null runner: %s config, no model math, %d KV blocks of %d tokens (none allocated), "
             "max model length %d, output cycle %s",
             mc.model_type, self.num_kv_blocks, self.block_size, self.max_model_len, self.token_cycle,
         )

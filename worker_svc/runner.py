@@ -24,7 +24,9 @@ from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.nvtx import nvtx_range
 from worker_svc.plan_state import SeqState, SequenceStates
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
+from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.logits_adjust import LogitsAdjuster
+from worker_svc.parallel.group import SINGLE, TensorParallel
 from worker_svc.sampler import Sampler, SamplingBatch
 from worker_svc.structured import GrammarMasks
 from worker_svc.weights import load_model
@@ -51,6 +53,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}") from None
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The ``--device`` setting, or cuda when it is available, else cpu."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,31 +105,39 @@ class _StepInputs:
 
 
 class ModelRunner:
-    """Holds the model and the paged KV cache; executes step plans."""
+    """Holds the model and the paged KV cache; executes step plans.
 
-    def __init__(self, model_dir: str | Path, config: RunnerConfig | None = None):
+    Under tensor parallelism (``tp.size > 1``) every rank runs one of these on its shard, with the
+    same plans (``worker_svc.parallel``): rank 0 samples and returns the result; the others
+    compute, then learn the sampled ids from rank 0 (``take_sampled``) before their next step.
+    """
+
+    def __init__(self, model_dir: str | Path, config: RunnerConfig | None = None, tp: TensorParallel = SINGLE):
         self.config = config = config or RunnerConfig()
         self.model_dir = Path(model_dir)
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        self.tp = tp
+        self.device = resolve_device(config.device)
         self.dtype = parse_dtype(config.dtype)
-        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
         if self.device.type == "cpu" and config.cpu_packed_linear:
             pack_linears_for_cpu(self.model)
         if self.device.type == "cpu":
             log.info("CPU attention: %s", prepare_cpu_attention(self.dtype))
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        # this rank's KV heads; every rank holds the same block ids, each for its own heads
+        num_kv_heads = kv_heads_per_rank(mc.num_kv_heads, tp)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_bytes or self._default_kv_budget()
             num_blocks = PagedKVCache.num_blocks_for_budget(
-                budget, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
+                budget, mc.num_layers, config.block_size, num_kv_heads, mc.head_dim, self.dtype
             )
+            num_blocks = tp.min_int(num_blocks)  # what every rank can hold
             if num_blocks < 1:
                 raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {config.block_size} tokens")
         self.kv_cache = PagedKVCache(
-            mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            mc.num_layers, num_blocks, config.block_size, num_kv_heads, mc.head_dim, self.dtype, self.device
         )
         self.block_size = config.block_size
         max_blocks_per_seq = -(-self.max_model_len // config.block_size)
@@ -130,7 +145,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self.adjuster = LogitsAdjuster(mc.vocab_size, self.device, self._grammar_masks())
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        # collectives are not captured in graphs: steps of several ranks run eagerly
+        if self.device.type == "cuda" and config.cuda_graphs and tp.size == 1:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_cache, config.cuda_graph_max_batch, self.max_model_len,
                 max_blocks_per_seq, self.device,
@@ -139,8 +155,10 @@ class ModelRunner:
         # per-sequence state; plans are applied and checked there, by the same code as NullRunner's
         self.seqs = SequenceStates(self.block_tables, config.block_size, num_blocks)
         self.num_block_copies = 0
-        log.info(
-            "worker ready: %s, %s on %s, %d KV blocks of %d tokens, max model length %d",
+        # ranks other than 0: the sequences that sampled in the last step, until rank 0's ids come
+        self._awaiting_tokens: list[SeqState] = []
+        log.debug(
+            "model runner: %s architecture, %s on %s, %d KV blocks of %d tokens, max model length %d",
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
 
@@ -166,6 +184,15 @@ class ModelRunner:
         """Drop all per-sequence state (the scheduler reconnected and starts from scratch)."""
         self.seqs.reset()
         self.adjuster.reset()
+        self._awaiting_tokens = []
+
+    def take_sampled(self, token_ids: list[int]) -> None:
+        """On a rank other than 0: the ids rank 0 sampled in the last step, in its batch order."""
+        states, self._awaiting_tokens = self._awaiting_tokens, []
+        if len(token_ids) != len(states):
+            raise ValueError(f"{len(token_ids)} sampled ids for {len(states)} sequences that sampled")
+        for state, token in zip(states, token_ids):
+            state.token_ids.append(token)
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -204,6 +231,9 @@ class ModelRunner:
             if not inputs.sampled_states:
                 return result
             logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+            if logits is None:  # a rank other than 0: rank 0 samples (and adjusts the logits)
+                self._awaiting_tokens = inputs.sampled_states
+                return result
         states = inputs.sampled_states
         params = [s.sampling for s in states]
         batch = SamplingBatch(params=params, positions=[len(s.token_ids) for s in states], want_logprobs=False)

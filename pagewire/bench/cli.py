@@ -144,14 +144,15 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds to wait for the server at --addr to answer (default: %(default)s)")
     g.add_argument("--serve-timeout", type=_positive_float, default=600.0,
                    help="seconds to wait for a --serve server to be ready (the first start of the embedded model "
-                   "converts it, ~25 s) (default: %(default)s)")
+                   "converts it once) (default: %(default)s)")
     g.add_argument("--server-log", default=None, metavar="PATH",
                    help="with --serve, write the server's output to PATH (default: kept in memory and shown only "
                    "if it fails)")
 
     g = p.add_argument_group("engine (passed to the server with --serve; used by the baselines)")
     g.add_argument("--model", default=None,
-                   help="Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct). "
+                   help="Hugging Face model directory, .gguf file or Hugging Face id ORG/NAME (default: the embedded "
+                   "SmolLM2-135M-Instruct). "
                    "Without --serve it names the local copy of the served model, used for its tokenizer's special "
                    "tokens and by the baselines")
     # every other engine setting of `pagewire serve`, declared once in pagewire_common.settings; unset

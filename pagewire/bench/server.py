@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from pagewire_common import envs
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings, flag_of
 
 class BenchError(Exception):
@@ -65,7 +66,10 @@ def check_can_listen(addr: str) -> None:
 def serve_argv(args, listen: str) -> list[str]:
     """The `pagewire serve` command line for --serve, with the engine settings that were given."""
     given = {name: getattr(args, name) for _flag, name in passthrough_flags() if getattr(args, name) is not None}
-    return [sys.executable, "-m", "pagewire.cli", "--log-level", args.log_level, "serve", "--listen", listen,
+    # the server logs at info at least: its readiness line is an info record, and its log is kept
+    # aside (--server-log, or shown only when it fails) whatever the bench's own --log-level
+    log_level = "debug" if args.log_level == "debug" else "info"
+    return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "serve", "--listen", listen,
             *Settings(**given).to_argv(_BENCH_SCOPES)]
 
 
@@ -85,7 +89,8 @@ class ServedServer:
         self._reader: threading.Thread | None = None
 
     def start(self, timeout: float) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # the server dies with the bench, even a bench that is killed hard (die_with_parent)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{envs.PARENT_PID_ENV: str(os.getpid())})
         self.proc = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=env, start_new_session=True,

@@ -179,7 +179,11 @@ class Bench:
 
     def check_model_matches(self) -> None:
         info = self.model_info
-        if self.baselines and self.model_dir is not None and info.model_name != self.model_dir.name:
+        if not self.baselines or self.model_dir is None:
+            return
+        from worker_svc.weights import model_name  # the baselines import torch anyway
+
+        if info.model_name != model_name(self.args.model, self.model_dir):
             print(f"pagewire bench: note: the server serves {info.model_name!r}; the baselines load "
                   f"{self.model_dir} (pass --model to name the same model)", file=sys.stderr)
 

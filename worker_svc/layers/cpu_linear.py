@@ -39,9 +39,24 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=oneDNN"
 
 
+class PackedRowParallel(nn.Module):
+    """A row-parallel linear (``layers.linear.RowParallelLinear``) with its weight packed: the
+    partial product, one all-reduce, then the bias."""
+
+    def __init__(self, packed: PackedLinear, bias: torch.Tensor | None, tp):
+        super().__init__()
+        self.packed = packed
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self.packed(x))
+        return y if self.bias is None else y.add_(self.bias)
+
+
 def pack_linears_for_cpu(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` in ``model`` with a :class:`PackedLinear`; returns how many.
-    A model with tied embeddings gets ``packed_lm_head`` for its logits. No-op off CPU or when
+    The model's output head (``lm_head_weight()``, tied or not) gets ``packed_lm_head``. No-op off CPU or when
     oneDNN is unavailable (then 0)."""
     if not _mkldnn_linear_available():
         return 0
@@ -53,10 +68,14 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(module, child_name, PackedLinear(child.weight, child.bias))
+                    # a row-parallel layer keeps its all-reduce around the packed matmul
+                    packed = child.packed() if hasattr(child, "packed") else PackedLinear(child.weight, child.bias)
+                    setattr(module, child_name, packed)
                     replaced += 1
-        if getattr(model, "lm_head", None) is None and hasattr(model, "packed_lm_head"):
-            model.packed_lm_head = PackedLinear(model.tied_lm_head_weight(), None)
+        if hasattr(model, "packed_lm_head"):
+            model.packed_lm_head = PackedLinear(model.lm_head_weight(), None)
+            if getattr(model, "lm_head", None) is not None:  # its own weight: keep the packed copy only
+                model.lm_head.weight.data = model.lm_head.weight.data.new_empty(0)
             replaced += 1
     except RuntimeError as e:  # an unusual oneDNN build: keep the plain path
         log.warning("oneDNN weight packing failed (%s); using plain CPU matmuls", e)

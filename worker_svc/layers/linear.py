@@ -1,55 +1,159 @@
-"""Linear layers with fused outputs, and loading Hugging Face weights into them by name."""
+"""Linear layers sharded Megatron-style over the tensor-parallel ranks, and loading Hugging Face
+weights into them by name, each rank reading only its slices.
+
+- ``ColumnParallelLinear`` splits the output features: each rank computes its own rows of every
+  part (q/k/v heads, gate/up), no collective. A layer fuses several checkpoint tensors (q/k/v,
+  gate/up) or several parts of one (GPT-2's c_attn) into one matmul.
+- ``RowParallelLinear`` splits the input features: each rank multiplies its columns by the
+  activations it holds (the column-parallel layer's output), and one all-reduce sums the partial
+  products; the bias is added once, after the sum.
+
+With one rank both are a plain ``nn.Linear`` (same parameters, same matmul, no collective).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from worker_svc.layers.sources import WeightSource, as_source
+from worker_svc.parallel.group import SINGLE, TensorParallel
 
-class MergedLinear(nn.Linear):
-    """One matmul for several projections of the same input (q/k/v, gate/up); checkpoints keep them
-    apart, so each part loads into its row range with :meth:`load_shard`."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = list(output_sizes)
+class Part(NamedTuple):
+    """Rows ``[source_start, source_start + size)`` of checkpoint tensor ``shard`` (whose first
+    dimension is ``source_rows``) are this rank's next ``size`` output features."""
 
-    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        param = getattr(self, param_name)
-        start = sum(self.output_sizes[:shard])
-        target = param.data.narrow(0, start, self.output_sizes[shard])
-        if target.shape != tensor.shape:
-            raise ValueError(f"shape mismatch for {param_name} shard {shard}: {tuple(tensor.shape)} vs {tuple(target.shape)}")
-        target.copy_(tensor)
+    shard: int
+    size: int
+    source_start: int
+    source_rows: int
+
+
+def split_parts(sizes: list[int], tp: TensorParallel) -> list[Part]:
+    """Each of ``sizes`` (one checkpoint tensor each) split evenly over the ranks."""
+    parts = []
+    for shard, total in enumerate(sizes):
+        size = tp.split(total, "output size")
+        parts.append(Part(shard, size, tp.rank * size, total))
+    return parts
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: TensorParallel) -> int:
+    """KV heads split over the ranks, or one per rank (replicated) when there are more ranks than
+    heads; each rank's paged cache holds its own."""
+    if num_kv_heads >= tp.size:
+        return tp.split(num_kv_heads, "the number of KV heads")
+    if tp.size % num_kv_heads:
+        raise ValueError(f"{tp.size} tensor-parallel ranks cannot share {num_kv_heads} KV heads evenly")
+    return 1
+
+
+def qkv_parts(num_heads: int, num_kv_heads: int, head_dim: int, tp: TensorParallel) -> list[Part]:
+    """This rank's query heads and the KV heads they attend with, from q_proj, k_proj, v_proj."""
+    heads = tp.split(num_heads, "the number of attention heads")
+    kv_heads = kv_heads_per_rank(num_kv_heads, tp)
+    # the first KV head of this rank's query heads (a group of num_heads // num_kv_heads shares one)
+    first_kv = tp.rank * heads // (num_heads // num_kv_heads)
+    q = Part(0, heads * head_dim, tp.rank * heads * head_dim, num_heads * head_dim)
+    kv_rows = num_kv_heads * head_dim
+    k = Part(1, kv_heads * head_dim, first_kv * head_dim, kv_rows)
+    return [q, k, k._replace(shard=2)]
+
+
+class ColumnParallelLinear(nn.Linear):
+    """This rank's output rows of one or more projections of the same input: [T, in] -> [T, sum of
+    part sizes], with no collective. ``parts`` say which checkpoint rows each local row holds."""
+
+    def __init__(self, in_features: int, parts: list[Part], bias: bool):
+        super().__init__(in_features, sum(p.size for p in parts), bias=bias)
+        self.parts = list(parts)
+        self.num_shards = 1 + max(p.shard for p in parts)
+
+    def load_shard(self, param_name: str, shard: int, source: WeightSource) -> None:
+        param = getattr(self, param_name).data
+        offset = 0
+        for part in self.parts:
+            if part.shard == shard:
+                expected = (part.source_rows, *param.shape[1:])
+                if tuple(source.shape) != expected:
+                    raise ValueError(f"shape mismatch for {param_name} shard {shard}: checkpoint "
+                                     f"{tuple(source.shape)}, expected {expected}")
+                param.narrow(0, offset, part.size).copy_(source.narrow(0, part.source_start, part.size))
+            offset += part.size
+
+
+class RowParallelLinear(nn.Linear):
+    """[T, in / N] (this rank's input features) -> [T, out], summed over the ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE):
+        super().__init__(tp.split(in_features, "input size"), out_features, bias=bias)
+        self.tp = tp
+        self.num_shards = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y.add_(self.bias)
+
+    def load_shard(self, param_name: str, shard: int, source: WeightSource) -> None:
+        param = getattr(self, param_name).data
+        if param_name == "bias":
+            _copy_whole(param, source, f"{param_name}")
+            return
+        expected = (self.out_features, self.in_features * self.tp.size)
+        if tuple(source.shape) != expected:
+            raise ValueError(f"shape mismatch for {param_name}: checkpoint {tuple(source.shape)}, expected {expected}")
+        param.copy_(source.narrow(1, self.tp.rank * self.in_features, self.in_features))
+
+    def packed(self) -> nn.Module:
+        """This layer with its weight prepacked for oneDNN (``layers.cpu_linear``)."""
+        from worker_svc.layers.cpu_linear import PackedLinear, PackedRowParallel
+
+        if self.tp.size == 1:
+            return PackedLinear(self.weight, self.bias)
+        return PackedRowParallel(PackedLinear(self.weight, None), self.bias, self.tp)
+
+
+def _copy_whole(param: torch.Tensor, source: WeightSource, name: str) -> None:
+    if tuple(param.shape) != tuple(source.shape):
+        raise ValueError(f"shape mismatch for weight {name}: checkpoint {tuple(source.shape)}, model {tuple(param.shape)}")
+    param.copy_(source.read())
 
 
 def load_weights_by_name(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | WeightSource]],
     stacked: dict[str, tuple[str, int]] | None = None,
 ) -> None:
-    """Copy checkpoint tensors into ``model``'s parameters by name.
+    """Copy checkpoint tensors (or sources that read slices) into ``model``'s parameters by name.
 
     ``stacked`` maps a checkpoint module name to (fused module name, shard): ``{"q_proj": ("qkv_proj", 0)}``
-    loads ``...self_attn.q_proj.weight`` into rows of ``...self_attn.qkv_proj.weight``. Names must already
-    be normalized by the caller. Raises ValueError naming every unexpected, missing or misshapen weight.
+    loads ``...self_attn.q_proj.weight`` into rows of ``...self_attn.qkv_proj.weight``. A module with
+    ``load_shard`` (the sharded layers) takes its own slice; other parameters are read whole. Names
+    must already be normalized by the caller. Raises ValueError naming every unexpected, missing or
+    misshapen weight.
     """
     stacked = stacked or {}
     params = dict(model.named_parameters())
     expected: set[str] = set()
     for name in params:
         module_name, _, param_name = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if isinstance(module, MergedLinear):
-            expected.update(f"{name}#{shard}" for shard in range(len(module.output_sizes)))
+        num_shards = getattr(model.get_submodule(module_name), "num_shards", 1)
+        if num_shards > 1:
+            expected.update(f"{name}#{shard}" for shard in range(num_shards))
         else:
             expected.add(name)
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
-        for name, tensor in weights:
+        for name, value in weights:
+            source = as_source(value)
             module_name, _, param_name = name.rpartition(".")
             parent, _, leaf = module_name.rpartition(".")
             if leaf in stacked:
@@ -59,16 +163,18 @@ def load_weights_by_name(
                 if key not in expected:
                     unexpected.append(name)
                     continue
-                model.get_submodule(fused_module_name).load_shard(param_name, shard, tensor)
+                model.get_submodule(fused_module_name).load_shard(param_name, shard, source)
                 loaded.add(key)
                 continue
             param = params.get(name)
-            if param is None:
+            if param is None or name not in expected:
                 unexpected.append(name)
                 continue
-            if param.shape != tensor.shape:
-                raise ValueError(f"shape mismatch for weight {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            module = model.get_submodule(module_name)
+            if hasattr(module, "load_shard"):
+                module.load_shard(param_name, 0, source)
+            else:
+                _copy_whole(param.data, source, name)
             loaded.add(name)
     checkpoint_leaf = {target: leaf for leaf, target in stacked.items()}
     missing = sorted(_checkpoint_name(key, checkpoint_leaf) for key in expected - loaded)

@@ -44,9 +44,11 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
-        cos, sin = self._tables()
-        self.register_buffer("cos_cache", cos, persistent=False)  # [max_position, head_dim // 2]
-        self.register_buffer("sin_cache", sin, persistent=False)
+        table = (max_position, head_dim // 2)
+        self.register_buffer("cos_cache", torch.empty(table, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(table, dtype=torch.float32), persistent=False)
+        if not self.cos_cache.is_meta:  # built on the meta device, the model computes them after to_empty
+            self.reset_parameters()
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)

@@ -1,4 +1,9 @@
-"""GPT-2 over the paged KV cache. Module names mirror transformers' ``GPT2LMHeadModel``."""
+"""GPT-2 over the paged KV cache. Module names mirror transformers' ``GPT2LMHeadModel``.
+
+Sharded over the tensor-parallel ranks by heads (c_attn column-parallel, attn.c_proj
+row-parallel), by MLP columns (c_fc / mlp.c_proj) and by vocabulary (wte, tied head); the learned
+position table (wpe) and the norms are replicated.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +14,37 @@ from torch import nn
 
 from kvcache.paged import AttentionMetadata, PagedKVCache
 from worker_svc.config import ModelConfig
+from worker_svc.layers import (
+    ColumnParallelLinear,
+    LayerNorm,
+    PagedAttention,
+    RowParallelLinear,
+    TransposedSource,
+    VocabParallelEmbedding,
+    as_source,
+    get_activation,
+    load_weights_by_name,
+    split_parts,
+)
+from worker_svc.layers.linear import Part
 from worker_svc.models.base import CausalLM
-from worker_svc.layers import LayerNorm, PagedAttention, get_activation, load_weights_by_name
+from worker_svc.parallel.group import SINGLE, TensorParallel
 
 # Conv1D modules: the checkpoint stores their weight as [in, out], nn.Linear wants [out, in].
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.num_heads = config.num_heads
+        hidden = config.hidden_size
+        self.num_heads = tp.split(config.num_heads, "the number of attention heads")  # this rank's
         self.head_dim = config.head_dim
-        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.attn = PagedAttention(config.num_heads, config.num_heads, config.head_dim, scale=config.head_dim**-0.5)
+        size = self.num_heads * self.head_dim
+        # one checkpoint tensor [3 * hidden] holds q, k, v: this rank's heads of each
+        self.c_attn = ColumnParallelLinear(hidden, [Part(0, size, i * hidden + tp.rank * size, 3 * hidden) for i in range(3)], bias=True)
+        self.c_proj = RowParallelLinear(hidden, hidden, bias=True, tp=tp)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, config.head_dim, scale=config.head_dim**-0.5)
 
     def forward(self, hidden: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -32,10 +53,10 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.c_fc = ColumnParallelLinear(config.hidden_size, split_parts([config.intermediate_size], tp), bias=True)
+        self.c_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True, tp=tp)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,12 +64,12 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.ln_1 = LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.attn = GPT2Attention(config)
+        self.attn = GPT2Attention(config, tp)
         self.ln_2 = LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, tp)
 
     def forward(self, hidden, kv_layer, meta):
         hidden = hidden + self.attn(self.ln_1(hidden), kv_layer, meta)
@@ -56,18 +77,18 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.wpe = nn.Embedding(config.max_model_len, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
+        self.h = nn.ModuleList(GPT2Block(config, tp) for _ in range(config.num_layers))
         self.ln_f = LayerNorm(config.hidden_size, eps=config.norm_eps)
 
 
 class GPT2LMHeadModel(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
-        self.transformer = GPT2Model(config)
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__(config, tp)
+        self.transformer = GPT2Model(config, tp)
 
     def forward(
         self,
@@ -86,7 +107,7 @@ class GPT2LMHeadModel(CausalLM):
         return self.transformer.wte.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors (with or without the ``transformer.`` prefix)."""
+        """Load Hugging Face-named tensors or sources (with or without the ``transformer.`` prefix)."""
 
         def normalized():
             for name, tensor in weights:
@@ -98,7 +119,7 @@ class GPT2LMHeadModel(CausalLM):
                 elif not name.startswith("transformer."):
                     name = f"transformer.{name}"
                 if name.endswith(".weight") and name.removesuffix(".weight").endswith(_CONV1D):
-                    tensor = tensor.t()
+                    tensor = TransposedSource(as_source(tensor))
                 yield name, tensor
 
         load_weights_by_name(self, normalized())

@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
 
 Module names mirror transformers' ``LlamaForCausalLM`` so checkpoints load by name; q/k/v and
-gate/up are fused into one matmul each and loaded shard by shard.
+gate/up are fused into one matmul each and loaded shard by shard. Over tensor-parallel ranks,
+qkv_proj and gate_up_proj are column-parallel (each rank: its heads, its MLP columns), o_proj and
+down_proj row-parallel (one all-reduce each), the embedding and the head split by vocabulary.
 """
 
 from __future__ import annotations
@@ -16,13 +18,19 @@ from worker_svc.config import ModelConfig
 from worker_svc.models.base import CausalLM
 from worker_svc.layers import (
     ActAndMul,
-    MergedLinear,
+    ColumnParallelLinear,
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     apply_rotary,
+    kv_heads_per_rank,
     load_weights_by_name,
+    qkv_parts,
+    split_parts,
 )
+from worker_svc.parallel.group import SINGLE, TensorParallel
 
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -34,17 +42,19 @@ _STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        # this rank's query heads and the KV heads they use
+        self.num_heads = tp.split(config.num_heads, "the number of attention heads")
+        self.num_kv_heads = kv_heads_per_rank(config.num_kv_heads, tp)
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.qkv_bias
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, qkv_parts(config.num_heads, config.num_kv_heads, config.head_dim, tp),
+            bias=config.qkv_bias,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_bias, tp=tp)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
     def forward(
@@ -64,11 +74,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, split_parts([size, size], tp), bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias, tp=tp)
         self.act_fn = ActAndMul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,12 +86,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    attention_class = LlamaAttention
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = self.attention_class(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, hidden, cos, sin, kv_layer, meta):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_layer, meta)
@@ -89,19 +101,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    layer_class = LlamaDecoderLayer
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(self.layer_class(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         # One table for all layers; cos/sin are looked up once per step.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling)
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig):
-        super().__init__(config)
-        self.model = LlamaModel(config)
+    model_class = LlamaModel
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__(config, tp)
+        self.model = self.model_class(config, tp)
         # Tied embeddings: logits use embed_tokens.weight directly (no second parameter to keep tied).
 
     def forward(

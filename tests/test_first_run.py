@@ -1,0 +1,181 @@
+"""What a new user meets first: `pagewire --version` and help, a taken address as one clear line
+for every command, one log format, and a CPU worker that never loads Triton."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from pagewire.cli import build_parser
+from pagewire_common.logs import FORMAT
+from pagewire_common.plan import NewSequence, StepPlan
+from pagewire_common.sampling import SamplingParams
+from scheduler_svc.worker_client import WorkerLink
+from tests.service_utils import REPO, Proc, free_port
+
+# a log line as pagewire_common.logs.FORMAT writes it
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+
+
+def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagewire.cli", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_version_is_the_installed_package_version():
+    out = run_cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"pagewire {importlib.metadata.version('pagewire')}"
+
+
+def _options(parser: argparse.ArgumentParser, path: str):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{path} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_of_every_command_has_help():
+    options = list(_options(build_parser(), "pagewire"))
+    commands = {path for path, _ in options}
+    assert {"pagewire serve", "pagewire generate", "pagewire worker", "pagewire bench"} <= commands
+    missing = [(path, action.option_strings or action.dest) for path, action in options
+               if not (action.help and action.help.strip())]
+    assert missing == []
+    generate = {a.dest for path, a in options if path == "pagewire generate"}
+    assert {"temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "api_key", "tls_ca_file"} <= generate
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama-gqa")
+
+
+COMMANDS = {
+    "serve": lambda model, addr: ["serve", "--model", str(model), "--listen", addr],
+    "worker": lambda model, addr: ["worker", "--model", str(model), "--listen", addr],
+    "scheduler": lambda model, addr: ["scheduler", "--worker", "127.0.0.1:1", "--listen", addr],
+    "api-server": lambda model, addr: ["api-server", "--scheduler", "127.0.0.1:1", "--listen", addr],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_taken_port_is_one_clear_line_and_a_non_zero_exit(command, model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        addr = f"127.0.0.1:{taken.getsockname()[1]}"
+        out = run_cli(*COMMANDS[command](model_dir, addr))
+    assert out.returncode == 2
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert lines == [f"pagewire: error: cannot listen on {addr}: Address already in use "
+                     "(is another server running there?)"]
+
+
+@pytest.mark.slow
+def test_a_unix_socket_in_use_is_not_taken_over(model_dir, tmp_path):
+    """gRPC would remove the socket file of a server listening there and bind anew."""
+    path = tmp_path / "in-use.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as taken:
+        taken.bind(str(path))
+        taken.listen()
+        out = run_cli("worker", "--model", str(model_dir), "--listen", f"unix:{path}")
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"pagewire: error: cannot listen on unix:{path}: another server is listening there"
+
+
+@pytest.mark.slow
+def test_a_cpu_worker_never_loads_triton_and_stops_in_a_few_lines(model_dir, tmp_path):
+    """torch imports Triton whenever it is installed (through torch._dynamo); Triton's extension
+    then prints dozens of 'nanobind: leaked' lines at exit. A CPU worker keeps it out."""
+    addr = f"127.0.0.1:{free_port()}"
+    worker = Proc(["worker", "--model", str(model_dir), "--listen", addr, "--device", "cpu", "--num-kv-blocks", "64"],
+                  tmp_path / "worker.log")
+    try:
+        worker.wait_for_output("worker ready", timeout=120)
+        async def one_step():  # attention and sampling run too
+            link = WorkerLink(addr)
+            link.open()
+            await link.send(StepPlan(0, new_seqs=[NewSequence(1, [5, 6, 7], [0], 0, 3, SamplingParams(temperature=0.7,
+                                                                                                      seed=1))]))
+            result = await link.receive()
+            await link.close()
+            return result
+
+        assert len(asyncio.run(one_step()).token_ids) == 1
+        with open(f"/proc/{worker.proc.pid}/maps") as f:  # the shared objects the worker loaded
+            maps = f.read()
+        assert "libtriton" not in maps and "/triton/" not in maps
+        worker.signal(signal.SIGINT)
+        assert worker.proc.wait(30) == 0
+    finally:
+        worker.stop()
+    output = worker.output()
+    assert "nanobind" not in output and "leaked" not in output
+    lines = output.splitlines()
+    assert all(LOG_LINE.match(line) for line in lines), output
+    assert lines[-1].endswith("pagewire.worker: worker stopped") and len(lines) <= 6, output
+
+
+# gRPC's C core logs a line of its own format when a peer closes a connection ("Got goaway")
+# and when a process forks while gRPC threads run
+GRPC_CORE_CHATTER = """
+import os, grpc
+from concurrent import futures
+server = grpc.server(futures.ThreadPoolExecutor(2))
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+grpc.channel_ready_future(channel).result(timeout=10)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+server.stop(None)
+"""
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_grpc_core_lines_are_kept_out_of_the_log_unless_debugging(level):
+    code = f"from pagewire_common.logs import setup_logging\nsetup_logging({level!r})\n{GRPC_CORE_CHATTER}"
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    core_lines = [line for line in out.stderr.splitlines() if re.match(r"^[IWE]\d{4} ", line)]
+    assert bool(core_lines) == (level == "debug"), out.stderr
+
+
+@pytest.mark.slow
+def test_serve_logs_one_format_and_one_model_name(model_dir, tmp_path):
+    port = free_port()
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--num-kv-blocks", "64"],
+                 tmp_path / "serve.log")
+    try:
+        serve.wait_for_output("pagewire ready", timeout=120)
+        serve.signal(signal.SIGTERM)
+        assert serve.proc.wait(30) == 0
+    finally:
+        serve.stop()
+    lines = serve.output().splitlines()
+    assert lines and all(LOG_LINE.match(line) for line in lines), serve.output()
+    assert FORMAT == "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    text = serve.output()
+    name = model_dir.name
+    assert f"pagewire ready: serving {name} on 127.0.0.1:{port}" in text, text
+    # the worker, the core and serve name the model alike; a unix socket is named by its path
+    assert "worker ready on unix:" in text and f".sock: {name} (llama, float32 on cpu)" in text, text
+    assert re.search(rf"scheduler ready on 127\.0\.0\.1:{port}, OpenAI HTTP on http://127\.0\.0\.1:\d+ "
+                     r"with 1 API server\(s\), worker unix:", text), text
+    assert "(port 1)" not in text and "~20 s" not in text and "connected (unix:)" not in text, text

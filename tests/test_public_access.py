@@ -1,0 +1,242 @@
+"""Who may call the public address, and over what: ``--api-key`` (UNAUTHENTICATED without it;
+health and reflection stay open) and ``--tls-cert-file``/``--tls-key-file`` (a TLS channel that
+trusts the certificate works, a plaintext one does not)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagewire import LLM, SamplingParams
+from pagewire.client import auth_metadata, open_channel
+from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc
+from scheduler_svc.auth import TlsFiles, check_authorization
+from tests.service_utils import REPO, Proc, descendants, free_port, sampling
+
+KEY = "s3cret-key"
+
+
+# ---- the key check and the TLS files, without a server ---------------------------------------
+
+
+@pytest.mark.parametrize("value, admitted", [
+    ("Bearer s3cret-key", True), ("bearer s3cret-key", True), ("  Bearer   s3cret-key ", True),
+    ("Bearer s3cret-kez", False), ("Bearer s3cret-key2", False), ("Bearer ", False), ("s3cret-key", False),
+    ("Basic s3cret-key", False), ("", False), (None, False),
+])
+def test_check_authorization(value, admitted):
+    assert check_authorization(value, KEY) is admitted
+    assert check_authorization(value, None) is True  # no key set: everyone
+
+
+def make_certificate(directory, name: str = "server") -> tuple[str, str]:
+    """A self-signed certificate for localhost and 127.0.0.1: (cert PEM path, key PEM path)."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def test_tls_files_are_checked_at_load(tmp_path):
+    cert, key = make_certificate(tmp_path)
+    other_cert, other_key = make_certificate(tmp_path, "other")
+    files = TlsFiles.load(cert, key)
+    assert files.cert.startswith(b"-----BEGIN CERTIFICATE") and files.ssl_context() is not None
+    assert TlsFiles.load(None, None) is None
+    with pytest.raises(ValueError, match="are not a PEM certificate and its private key"):
+        TlsFiles.load(cert, other_key)
+    with pytest.raises(ValueError, match="cannot read the TLS files.*missing.pem"):
+        TlsFiles.load(cert, str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="go together"):
+        TlsFiles.load(cert, None)
+    assert other_cert
+
+
+def test_the_key_guards_every_generation_method_but_not_health_or_reflection():
+    """An API server with a key and no core behind it: a call with the key gets past the door
+    (and finds no core: UNAVAILABLE); one without is UNAUTHENTICATED."""
+    from scheduler_svc.api_server import ApiServer, build_server
+
+    async def main():
+        api = ApiServer("unix:/nonexistent/core.sock")
+        listen = f"127.0.0.1:{free_port()}"
+        server, _port, _servicer, _health = await build_server(api, listen, False, api_key=KEY)
+        try:
+            async with grpc.aio.insecure_channel(listen) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                codes = {}
+                for header in (None, f"Bearer {KEY}", "Bearer nope"):
+                    md = (("authorization", header),) if header else ()
+                    for name, call in (
+                        ("GetModelInfo", lambda: stub.GetModelInfo(pb.ModelInfoRequest(), metadata=md)),
+                        ("GetStats", lambda: stub.GetStats(pb.StatsRequest(), metadata=md, timeout=10)),
+                        ("Generate", lambda: _drain(stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=md))),
+                        ("Chat", lambda: _drain(stub.Chat(pb.ChatRequest(messages=[pb.ChatMessage(
+                            role="user", content="hi")]), metadata=md))),
+                    ):
+                        try:
+                            await call()
+                            codes[header, name] = grpc.StatusCode.OK
+                        except grpc.aio.AioRpcError as e:
+                            codes[header, name] = e.code()
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                services = await _list_services(channel)
+        finally:
+            await server.stop(None)
+            await api.stop()
+        return codes, health, services
+
+    codes, health, services = asyncio.run(main())
+    for (header, name), code in codes.items():
+        wanted = grpc.StatusCode.UNAVAILABLE if header == f"Bearer {KEY}" else grpc.StatusCode.UNAUTHENTICATED
+        assert code == wanted, (header, name)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered: no core yet
+    assert "pagewire.v1.Generation" in services
+
+
+async def _drain(call):
+    async for _ in call:
+        pass
+
+
+async def _list_services(channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+    async def requests():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async for resp in stub.ServerReflectionInfo(requests()):
+        return [s.name for s in resp.list_services_response.service]
+    return []
+
+
+# ---- a served model with a key and TLS ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def secured(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tls")
+    cert, key = make_certificate(tmp)
+    port = free_port()
+    proc = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--block-size", "4",
+                 "--num-kv-blocks", "200", "--api-key", KEY, "--tls-cert-file", cert, "--tls-key-file", key],
+                tmp / "serve.log")
+    proc.wait_for_output("pagewire ready", timeout=120)
+    yield proc, f"127.0.0.1:{port}", cert
+    proc.stop(30)
+
+
+@pytest.mark.slow
+def test_a_tls_channel_with_the_key_generates_what_the_offline_engine_does(secured, model_dir):
+    _serve, addr, cert = secured
+    prompt = [5, 6, 7, 8, 9]
+    with open_channel(addr, tls_ca_file=cert) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        responses = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(max_tokens=8)),
+                                       metadata=auth_metadata(KEY), timeout=60))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(max_tokens=8)), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # no key needed
+    expected = LLM(model_dir, block_size=4, num_kv_blocks=200).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert [t for r in responses for t in r.token_ids] == expected.token_ids
+
+
+@pytest.mark.slow
+def test_a_plaintext_channel_to_the_tls_port_fails(secured):
+    _serve, addr, _cert = secured
+    with grpc.insecure_channel(addr) as channel:
+        with pytest.raises(grpc.RpcError) as failed:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.slow
+def test_the_openai_door_needs_the_key_and_speaks_https_only(secured, model_dir):
+    import json
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    import httpx2
+    import openai
+
+    serve, addr, cert = secured
+    base = serve.http_url().replace("http://", "https://")
+    trusted = ssl.create_default_context(cafile=cert)
+    expected = LLM(model_dir, block_size=4, num_kv_blocks=200).generate(
+        [[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=8))[0]
+    client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0,
+                           http_client=httpx2.Client(verify=trusted))
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=[5, 6, 7, 8, 9], max_tokens=8,
+                                    temperature=0, extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == expected.token_ids
+    wrong = openai.OpenAI(base_url=base + "/v1", api_key="not-the-key", max_retries=0,
+                          http_client=httpx2.Client(verify=trusted))
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    request = urllib.request.Request(base + "/v1/completions", data=json.dumps({"prompt": "x"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, context=trusted, timeout=10)
+    assert refused.value.code == 401
+    assert json.loads(refused.value.read())["error"]["type"] == "authentication_error"
+    with urllib.request.urlopen(base + "/health", context=trusted, timeout=10) as r:  # no key needed
+        assert r.status == 200
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext to the HTTPS port
+        urllib.request.urlopen(serve.http_url() + "/health", timeout=10)
+
+
+@pytest.mark.slow
+def test_the_key_stays_off_the_children_command_lines(secured):
+    serve, _addr, _cert = secured
+    children = descendants(serve.proc.pid)
+    assert len(children) >= 3
+    assert all(KEY not in argv for _pid, argv in children)
+    assert all("--tls-cert-file" in argv for _pid, argv in children if " api-server " in argv)
+
+
+@pytest.mark.slow
+def test_the_generate_command_and_the_healthcheck_speak_tls_and_send_the_key(secured, monkeypatch):
+    _serve, addr, cert = secured
+    monkeypatch.delenv("PAGEWIRE_API_KEY", raising=False)
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    base = ("pagewire.cli", "generate", "Hello", "--addr", addr, "--max-tokens", "4", "--tls-ca-file", cert)
+    ok = run(*base, "--api-key", KEY)
+    assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr
+    refused = run(*base)
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    assert run("pagewire_common.healthcheck", addr, "--tls-ca-file", cert).returncode == 0
+    assert run("pagewire_common.healthcheck", addr).returncode == 1
+
+
+def test_bad_tls_files_stop_serve_with_one_line(tmp_path):
+    cert, _key = make_certificate(tmp_path)
+    _other_cert, other_key = make_certificate(tmp_path, "other")
+    out = subprocess.run([sys.executable, "-m", "pagewire.cli", "serve", "--listen", f"127.0.0.1:{free_port()}",
+                          "--tls-cert-file", cert, "--tls-key-file", other_key], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pagewire: error: --tls-cert-file") and "private key" in lines[0]
