@@ -143,7 +143,8 @@ class ModelRunner:
         max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
         self.sampler = Sampler(self.device)
-        self.adjuster = LogitsAdjuster(mc.vocab_size, self.device, self._grammar_masks())
+        # only rank 0 adjusts logits and samples: the other ranks keep no adjustment state
+        self.adjuster = LogitsAdjuster(mc.vocab_size, self.device, self._grammar_masks() if tp.is_first else None)
         self.decode_graphs: DecodeGraphs | None = None
         # collectives are not captured in graphs: steps of several ranks run eagerly
         if self.device.type == "cuda" and config.cuda_graphs and tp.size == 1:
@@ -206,8 +207,9 @@ class ModelRunner:
                     if state is not None and state.is_adjusted:
                         adjuster.drop(state)
             copies = self.seqs.apply(plan)  # checks the plan: KeyError/ValueError if it contradicts our state
-            for new in plan.new_seqs:
-                adjuster.add(self.seqs.get(new.seq_id))
+            if self.tp.is_first:
+                for new in plan.new_seqs:
+                    adjuster.add(self.seqs.get(new.seq_id))
             if copies:
                 self.kv_cache.copy_blocks(copies)
                 self.num_block_copies += len(copies)
