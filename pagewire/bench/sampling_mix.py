@@ -26,7 +26,7 @@ BENCH_SCHEMA = {
 BENCH_REGEX = r"([a-z]{1,12}( [a-z]{1,12}){0,9}\. )+"
 
 MIXES = {
-    "greedy": "every request as the base sampling",
+    "greedy": "every request as the base sampling (--temperature, greedy by default)",
     "penalties": "half the requests with repetition_penalty 1.1, presence_penalty 0.5, frequency_penalty 0.5",
     "logit_bias": "half the requests with a logit_bias of 8 tokens",
     "json_schema": "half the requests constrained to a JSON schema (an open-ended array of objects)",
@@ -43,10 +43,11 @@ def parse_mixes(text: str) -> list[str]:
 
 
 def help_text() -> str:
-    return ("send each run once per mix, comma-separated, each mix a column of the table (ours-MIX); "
-            "a mix other than greedy changes every other request: "
-            + "; ".join(f"{name}: {what}" for name, what in MIXES.items())
-            + ". The difference in TPOT/ITL from greedy is the feature's cost per step (default: greedy)")
+    return ("send each run once per mix, comma-separated, each mix a column of the table (the first is "
+            "'pagewire', the others 'pagewire-MIX', compared with the first); a mix other than greedy changes "
+            "every other request: " + "; ".join(f"{name}: {what}" for name, what in MIXES.items())
+            + ". With greedy first, a column's TPOT/ITL over greedy's is what its feature costs per step "
+            "(default: greedy)")
 
 
 def apply_mix(requests: list, mix: str) -> list:
