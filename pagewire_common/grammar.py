@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 # JSON without free whitespace: a weak model cannot loop on spaces or newlines
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -26,7 +27,10 @@ def grammar_of(kind: str, text: str) -> str:
             return llguidance.LLMatcher.grammar_from_regex(text)
         if kind == "grammar":
             if "::=" in text:  # GBNF (llama.cpp); Lark otherwise
-                text = llguidance.gbnf_to_lark(text)
+                try:
+                    text = gbnf_to_lark(text)
+                except Exception as e:  # the converter raises bare Exceptions for unknown rules
+                    raise ValueError(str(e)) from None
             return llguidance.LLMatcher.grammar_from_lark(text)
     except (ValueError, TypeError, RuntimeError) as e:
         raise ValueError(f"invalid {kind}: {e}") from None

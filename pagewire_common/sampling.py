@@ -39,8 +39,11 @@ class SamplingParams:
     like ``logprobs`` they are the model's distribution before any adjustment.
 
     ``n`` samples are drawn from one prompt (prefilled once, its KV blocks shared).
-    At most one of ``json_schema`` (a JSON schema, as text or a dict), ``regex`` and ``grammar``
-    (EBNF/GBNF) constrains the output; the sequence ends when the grammar is complete.
+    At most one of ``json_schema`` (a JSON schema, as text or a dict; JSON without free
+    whitespace), ``regex`` and ``grammar`` (Lark, or GBNF when it has ``::=``) constrains the
+    output. A complete grammar allows only EOS, which ends the sequence (STOP) even under
+    ``ignore_eos`` or before ``min_tokens``; ``ignore_eos`` only keeps the model from ending while
+    the grammar can still go on.
     """
 
     temperature: float = 1.0
@@ -132,8 +135,6 @@ class SamplingParams:
         for name in given:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
-        if given and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured output (the grammar ends the sequence)")
 
     @property
     def is_greedy(self) -> bool:

@@ -51,17 +51,21 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str = "float32"
     device: str = "cpu"
+    # whether the worker can constrain outputs to a grammar: it builds its matchers from the
+    # model's tokenizer.json
+    structured_output: bool = True
 
     @classmethod
     def build(cls, *, model_name: str, vocab_size: int, max_model_len: int, block_size: int, num_kv_blocks: int,
-              eos_token_ids, dtype: str, device: str, tokenizer_eos_token_id: int | None) -> "WorkerInfo":
+              eos_token_ids, dtype: str, device: str, tokenizer_eos_token_id: int | None,
+              has_tokenizer: bool = True) -> "WorkerInfo":
         """The one place that assembles a worker's info: the tokenizer's EOS token ends
         generation too when the model config does not list it."""
         eos = tuple(int(t) for t in eos_token_ids)
         if tokenizer_eos_token_id is not None and tokenizer_eos_token_id not in eos:
             eos += (tokenizer_eos_token_id,)
         return cls(model_name, int(vocab_size), int(max_model_len), int(block_size), int(num_kv_blocks), eos,
-                   dtype, device)
+                   dtype, device, has_tokenizer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +118,6 @@ def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vo
         from pagewire_common.grammar import check_grammar  # torch-free
 
         check_grammar(*sampling.structured_output)
-        # the grammar checks out, but the worker does not apply grammar masks yet: refuse rather
-        # than return unconstrained text
-        raise ValueError("structured output (json_schema, regex, grammar) is not served yet")
     n = len(token_ids)
     if n >= max_model_len:
         raise ValueError(
@@ -164,6 +165,8 @@ class EngineCore:
         if prompt_token_ids is None:
             raise ValueError("a request needs a prompt (the engine core takes token ids)")
         token_ids = [int(t) for t in prompt_token_ids]
+        if sampling.structured_output is not None and not self.worker_info.structured_output:
+            raise ValueError("structured output needs the model's tokenizer.json, which this model lacks")
         validate_prompt_tokens(token_ids, sampling, vocab_size=self.worker_info.vocab_size,
                                max_model_len=self.max_model_len, strict_length=strict_length,
                                max_num_seqs=self.config.max_num_seqs)

@@ -68,7 +68,11 @@ class Scheduler:
     def _add_stops(self, seq: Sequence) -> None:
         params = seq.sampling
         stops = frozenset(params.stop_token_ids)
-        seq.stop_token_set = stops if params.ignore_eos else stops | self.eos_token_ids
+        structured = params.structured_output is not None
+        # a grammar ends with EOS (the worker allows nothing else once it is complete), which ends
+        # the sequence even under ignore_eos and before min_tokens
+        seq.stop_token_set = stops if params.ignore_eos and not structured else stops | self.eos_token_ids
+        seq.end_token_set = self.eos_token_ids if structured else frozenset()
         seq.max_num_tokens = min(seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
         seq.min_num_tokens = seq.num_prompt_tokens + params.min_tokens
 
@@ -362,8 +366,8 @@ class Scheduler:
                 seq.top_logprobs.append((result.top_token_ids[start:end], result.top_logprobs[start:end]))
             touched.append(seq)
             # the worker masks stop tokens before min_tokens; a stop there is an ordinary token
-            if token_id in seq.stop_token_set and len(tokens) > seq.min_num_tokens:
-                self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos) or a stop token id
+            if token_id in seq.stop_token_set and (len(tokens) > seq.min_num_tokens or token_id in seq.end_token_set):
+                self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos), a stop token id, a grammar's end
             elif len(tokens) >= seq.max_num_tokens:
                 self.finish(seq, FinishReason.LENGTH)  # max_tokens or the model length
         return touched

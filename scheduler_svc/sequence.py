@@ -57,8 +57,10 @@ class Sequence:
     stop_token_set: frozenset[int] = frozenset()
     # ...and the length it ends at (prompt + max_tokens, capped by the model length)
     max_num_tokens: int = 0
-    # a stop token ends the sequence only once it holds more than this many tokens (min_tokens)
+    # a stop token ends the sequence only once it holds more than this many tokens (min_tokens),
+    # except these (EOS of a structured sequence: the worker lets it through only at the grammar's end)
     min_num_tokens: int = 0
+    end_token_set: frozenset[int] = frozenset()
     # n > 1: which sample this is, and (on sample 0) the other samples, forked from it once its
     # prompt is computed
     sample_index: int = 0

@@ -188,6 +188,54 @@ def test_the_served_server_dies_with_a_bench_killed_hard(tmp_path):
             bench.kill()
 
 
+@pytest.mark.slow
+def test_sampling_mixes_are_columns_of_one_run(tmp_path):
+    # the same workload three times: plain greedy, then half the requests with penalties, then half
+    # with a JSON schema (open-ended, so under --ignore-eos every request still makes its tokens)
+    out_json, server_log = tmp_path / "mix.json", tmp_path / "server.log"
+    n, new = 8, 12
+    proc = run_bench(
+        "--serve", "--server-log", str(server_log), "--model", str(get_tiny_model("llama-gqa")),
+        "--sampling-mix", "greedy,penalties,json_schema", "--num-requests", str(n), "--concurrency", "4",
+        "--max-new-tokens", str(new), "--ignore-eos", "--prompt-len", "8", "--warmup-runs", "0",
+        "--json", str(out_json), timeout=300,
+    )
+    assert proc.returncode == 0, explain(proc, server_log)
+    doc = json.loads(out_json.read_text())
+    engines = doc["engines"]
+    assert set(engines) == {"pagewire", "pagewire-penalties", "pagewire-json_schema"}
+    for name, mix in (("pagewire", "greedy"), ("pagewire-penalties", "penalties"),
+                      ("pagewire-json_schema", "json_schema")):
+        assert engines[name]["details"]["sampling_mix"] == mix
+        assert engines[name]["aggregate"]["completion_tokens"] == n * new
+    assert doc["config"]["sampling_mix"] == ["greedy", "penalties", "json_schema"]
+    assert "vs pagewire-json_schema" in proc.stdout and "sampling mixes (every other request)" in proc.stdout
+
+
+def test_an_unknown_sampling_mix_is_a_usage_error(capsys):
+    from pagewire.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--sampling-mix", "greedy,beam"])
+    assert exit_.value.code == 2
+    assert "give one or more of greedy, penalties" in capsys.readouterr().err
+
+
+def test_a_sampling_mix_changes_every_other_request():
+    from pagewire.bench.loadgen import build_requests
+    from pagewire.bench.sampling_mix import BENCH_SCHEMA, apply_mix
+    from pagewire.client import make_sampling
+
+    plain = build_requests([[1, 2], [3, 4], [5, 6], [7, 8]], make_sampling(max_tokens=5, ignore_eos=True))
+    mixed = apply_mix(plain, "json_schema")
+    assert [json.loads(r.sampling.json_schema) if r.sampling.json_schema else None for r in mixed] == \
+        [None, BENCH_SCHEMA, None, BENCH_SCHEMA]
+    assert all(r.sampling.ignore_eos and r.sampling.max_tokens == 5 for r in mixed)
+    assert not any(r.sampling.json_schema for r in plain)  # the plain requests are left as they were
+    penalties = apply_mix(plain, "penalties")
+    assert [r.sampling.repetition_penalty for r in penalties] == pytest.approx([0, 1.1, 0, 1.1])
+
+
 # ---- flag errors (in process, no server) ----------------------------------------------------------
 
 

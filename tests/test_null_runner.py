@@ -244,3 +244,37 @@ def test_serves_through_the_real_scheduler(model_dir, tmp_path):
         if scheduler is not None:
             scheduler.stop()
         worker.stop()
+
+
+def test_constrained_sequences_follow_their_grammar(runner, model_dir):
+    """The cycle's token where the grammar allows it, else EOS where allowed, else an allowed one."""
+    import json
+    import re
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    eos = set(runner.model_config.eos_token_ids)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    params = [SamplingParams(max_tokens=30, json_schema=schema),
+              SamplingParams(max_tokens=30, regex="[a-z]{2,5}-[0-9]{1,3}"),
+              SamplingParams(max_tokens=30, regex="[a-z ]+", ignore_eos=True)]
+    prompt = [5, 6, 7]
+    r = runner.execute(StepPlan(0, new_seqs=[NewSequence(i, prompt, list(range(8 * i, 8 * i + 8)), 0, 3, sp)
+                                             for i, sp in enumerate(params)]))
+    out = {i: [t] for i, t in zip(r.seq_ids, r.token_ids)}
+    for step in range(1, 26):
+        r = runner.execute(StepPlan(step, running_seqs=[RunningSequence(i, 1) for i in out]))
+        for i, t in zip(r.seq_ids, r.token_ids):
+            out[i].append(t)
+    for i in (0, 1):
+        end = next(j for j, t in enumerate(out[i]) if t in eos)
+        assert set(out[i][end:]) <= eos  # a complete grammar allows only EOS
+        text = tok.decode(out[i][:end])
+        assert json.loads(text) in ({"ok": True}, {"ok": False}) if i == 0 else re.fullmatch(params[1].regex, text)
+    # every cycle token is a lowercase word or a space: the grammar lets the cycle through, never EOS
+    assert out[2] == [runner.next_token(p) for p in range(3, 3 + 26)]
+    assert re.fullmatch("[a-z ]+", tok.decode(out[2]))
+    runner.execute(StepPlan(26, finished_seq_ids=[0, 1, 2]))
+    assert runner.grammars.num_active == 0

@@ -375,3 +375,21 @@ def test_penalties_and_bias_reach_the_sampler(stack):
     out = client(url).completions.create(model=model, prompt=PROMPTS[1], max_tokens=6, temperature=0,
                                          extra_body={"repetition_penalty": 1.5, "min_tokens": 6, "return_token_ids": True})
     assert out.choices[0].model_extra["token_ids"] == expected
+
+
+def test_response_format_and_guided_fields_constrain_the_output(stack):
+    import re
+
+    from tests.test_structured_output import SCHEMA, check_schema
+
+    addr, url, model = stack
+    chat = client(url).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "a record"}], max_tokens=80, temperature=1.0, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}})
+    assert chat.choices[0].finish_reason == "stop"
+    check_schema(json.loads(chat.choices[0].message.content), SCHEMA)
+    regex = r"[a-z]{3,8}@[a-z]{2,6}\.(com|org)"
+    out = client(url).completions.create(model=model, prompt=PROMPTS[2], max_tokens=40, temperature=1.0, seed=4,
+                                         extra_body={"guided_regex": regex})
+    assert out.choices[0].finish_reason == "stop" and re.fullmatch(regex, out.choices[0].text)
+    assert_all_blocks_free(addr)

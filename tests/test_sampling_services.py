@@ -115,3 +115,42 @@ def test_n_samples_stream_on_their_own_and_match_the_offline_api(services, offli
         assert finals[0].usage.completion_tokens == len(ids) and finals[0].usage.prompt_tokens == len(prompt)
     assert len({tuple(s.token_ids) for s in expected}) == 4
     assert_all_blocks_free(services)
+
+
+def test_structured_outputs_match_the_offline_api_and_their_grammar(services, offline, model_dir):
+    """JSON schema, regex and GBNF requests (one with n = 3) beside unconstrained ones, over gRPC:
+    the same tokens as the offline API (seeded), text that follows the grammar, ending with STOP."""
+    import json
+    import re
+
+    from tests.test_structured_output import GBNF, GBNF_PATTERN, REGEX, SCHEMA, check_schema
+
+    prompts = sample_prompts(model_dir, n=8)
+    kinds = [dict(json_schema=SCHEMA), dict(regex=REGEX), dict(grammar=GBNF), {}, dict(json_schema=SCHEMA, n=3)]
+    params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=80, **kinds[i % len(kinds)])
+              for i in range(len(prompts))]
+    expected = offline.generate(prompts, params)
+    s = stub(services)
+
+    def one(i):
+        return list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=wire.sampling_to_pb(params[i]))))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, range(len(prompts))))
+    for i, responses in enumerate(results):
+        sp = params[i]
+        want = expected[i].samples or [expected[i]]
+        for index in range(sp.n):
+            mine = [r for r in responses if r.index == index]
+            ids = [t for r in mine for t in r.token_ids]
+            text = "".join(r.text for r in mine)
+            assert ids == want[index].token_ids and text == want[index].text, f"prompt {i} sample {index}"
+            if sp.structured_output is None:
+                continue
+            assert mine[-1].finish_reason == pb.STOP
+            kind, _ = sp.structured_output
+            if kind == "json_schema":
+                check_schema(json.loads(text), SCHEMA)
+            else:
+                assert re.fullmatch(REGEX if kind == "regex" else GBNF_PATTERN, text), text
+    assert_all_blocks_free(services)

@@ -73,19 +73,27 @@ def test_offline_two_ranks_match_transformers(kind, tiny_model_dir, keep_threads
 
 
 def test_sampling_controls_and_n_samples_on_two_ranks_match_one_rank(tiny_model_dir, keep_threads):
-    """Only rank 0 samples: penalties, bias, min_tokens, top logprobs and n samples (forked blocks)
-    see the gathered logits as one rank sees its own."""
+    """Only rank 0 samples: penalties, bias, min_tokens, top logprobs, n samples (forked blocks) and
+    grammar masks see the gathered logits as one rank sees its own."""
+    from tests.test_structured_output import REGEX, SCHEMA
+
     model_dir = tiny_model_dir("llama-gqa")
     prompts = short_prompts(model_dir)[2:6]
     sp = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5,
                         frequency_penalty=0.2, logit_bias={7: 2.0}, min_tokens=4, top_logprobs=3, logprobs=True)
     samples = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=12, ignore_eos=True)
+    constrained = [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=60,
+                                  **(dict(json_schema=SCHEMA) if i % 2 else dict(regex=REGEX))) for i in range(4)]
     one = LLM(model_dir, **ENGINE)
     expected = one.generate(prompts, sp)
     expected_samples = one.generate(prompts[:1], samples)[0].samples
+    expected_constrained = one.generate(prompts, constrained)
     with LLM(model_dir, tensor_parallel_size=2, **ENGINE) as llm:
         got = llm.generate(prompts, sp)
         got_samples = llm.generate(prompts[:1], samples)[0].samples
+        got_constrained = llm.generate(prompts, constrained)
+    assert [o.token_ids for o in got_constrained] == [o.token_ids for o in expected_constrained]
+    assert {o.finish_reason for o in got_constrained} == {"stop"}
     for e, g in zip(expected, got):
         assert g.token_ids == e.token_ids
         assert g.logprobs == pytest.approx(e.logprobs, abs=1e-4)

@@ -53,7 +53,9 @@ class LogitsAdjuster:
             self.prompt_seen[slot].zero_()
             self.prompt_seen[slot, tokens[:num_prompt]] = True
             self.counts[slot] = torch.bincount(tokens[num_prompt:], minlength=self.vocab_size)[: self.vocab_size]
-        if sp.structured_output is not None and self.grammars is not None:
+        if sp.structured_output is not None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer.json, which this worker lacks")
             self.grammars.add(state)
         state.is_adjusted = bool(sp.logit_bias or sp.min_tokens or sp.has_penalties or sp.structured_output)
         self.num_adjusted += state.is_adjusted
@@ -62,7 +64,8 @@ class LogitsAdjuster:
         if state.penalty_slot is not None:
             self._free_slots.append(state.penalty_slot)
             state.penalty_slot = None
-        state.matcher = None
+        if state.matcher is not None:
+            self.grammars.drop(state)
         self.num_adjusted -= state.is_adjusted
         state.is_adjusted = False
 
@@ -70,6 +73,8 @@ class LogitsAdjuster:
         self.counts = self.prompt_seen = None
         self._free_slots = []
         self.num_adjusted = 0
+        if self.grammars is not None:
+            self.grammars.reset()
 
     def _alloc_slot(self) -> int:
         if not self._free_slots:
@@ -94,6 +99,8 @@ class LogitsAdjuster:
         adjusted = [i for i, s in enumerate(states) if s.is_adjusted]
         if not adjusted:
             return
+        if self.grammars is not None:
+            self.grammars.wait()  # the matchers are being read by the mask filler until then
         dev = self.device
         bias_rows: list[int] = []
         bias_tokens: list[int] = []
@@ -111,7 +118,9 @@ class LogitsAdjuster:
                 bias_rows.extend([i] * len(sp.logit_bias))
                 bias_tokens.extend(t for t, _ in sp.logit_bias)
                 bias_values.extend(b for _, b in sp.logit_bias)
-            if sp.min_tokens and len(state.token_ids) - state.num_prompt_tokens < sp.min_tokens:
+            # a complete grammar allows only EOS, and ends the sequence before min_tokens
+            if (sp.min_tokens and len(state.token_ids) - state.num_prompt_tokens < sp.min_tokens
+                    and not (state.matcher is not None and state.matcher.is_stopped())):
                 ban_rows.extend([i] * len(state.stop_token_ids))
                 ban_tokens.extend(state.stop_token_ids)
             if state.penalty_slot is not None:
@@ -130,7 +139,7 @@ class LogitsAdjuster:
         if pen_rows:
             self._apply_penalties(logits, pen_rows, pen_slots, pen_params)
         if grammar_rows:
-            self.grammars.apply(logits, [states[i] for i in grammar_rows], grammar_rows)
+            self.grammars.apply(logits, states, grammar_rows)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[int], slots: list[int],
                          params: list[tuple[float, float, float]]) -> None:

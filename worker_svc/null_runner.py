@@ -6,7 +6,9 @@
 counts, block tables) in the same ``SequenceStates`` (``plan_state.py``), so a plan is applied and
 checked by the very same code and a control-plane bug still surfaces as a rejected plan. Instead of running a model it "samples" a fixed cycle of ordinary token ids: the token at
 position ``p`` is ``cycle[p % len(cycle)]``, so outputs depend only on positions (identical with
-overlap on and off, whatever the batch) and never end a request early through EOS.
+overlap on and off, whatever the batch) and never end a request early through EOS. A request with
+a grammar gets the cycle's token where the grammar allows it, else EOS where allowed, else the
+lowest allowed id, so its output still follows the grammar (and the grammar's host cost is paid).
 
 It reads ``config.json`` and the tokenizer files of a real model directory (so text prompts, the
 chat template and detokenization work as usual) but loads no weights and allocates no KV cache,
@@ -22,6 +24,7 @@ from pagewire_common.plan import StepPlan, StepResult
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.plan_state import SequenceStates
+from worker_svc.structured import GrammarMasks
 
 log = logging.getLogger("pagewire.worker")
 
@@ -64,6 +67,8 @@ class NullRunner:
         else:
             self.num_kv_blocks = DEFAULT_NULL_KV_BLOCKS
         self.token_cycle = _token_cycle(self.model_dir, mc)
+        # structured output: the cycle's token where the grammar allows it, else an allowed one
+        self.grammars = GrammarMasks.for_model(self.model_dir, mc.vocab_size, mc.eos_token_ids, "cpu")
         # the real runner's per-sequence state and plan checks; block tables in host memory only
         self.seqs = SequenceStates(
             BlockTables(self.max_blocks_per_seq, "cpu"), self.block_size, self.num_kv_blocks
@@ -82,6 +87,8 @@ class NullRunner:
     def reset(self) -> None:
         """Drop all per-sequence state (the scheduler reconnected and starts from scratch)."""
         self.seqs.reset()
+        if self.grammars is not None:
+            self.grammars.reset()
 
     def next_token(self, position: int) -> int:
         """The token this runner samples at ``position`` (0-based index in the sequence)."""
@@ -91,7 +98,18 @@ class NullRunner:
         """Apply ``plan`` to the per-sequence state and "sample" one token for every sequence
         that reached the end of its known tokens. Raises ``KeyError``/``ValueError`` for a plan
         that contradicts the state, as ``ModelRunner`` does."""
+        grammars = self.grammars
+        if grammars is not None and grammars.num_active:
+            for seq_id in plan.finished_seq_ids:
+                state = self.seqs.get(seq_id)
+                if state is not None:
+                    grammars.drop(state)
         copies = self.seqs.apply(plan)
+        for new in plan.new_seqs:
+            if new.sampling.structured_output is not None:
+                if grammars is None:
+                    raise ValueError("structured output needs the model's tokenizer.json, which this worker lacks")
+                grammars.add(self.seqs.get(new.seq_id))
         self.num_block_copies += len(copies)  # nothing to copy: there is no cache
         result = StepResult(step_id=plan.step_id)
         if plan.is_empty:
@@ -105,8 +123,12 @@ class NullRunner:
         all_seq_ids = batch.seq_ids
         states = batch.states
         for i in batch.sampled:
-            tokens = states[i].token_ids
+            state = states[i]
+            tokens = state.token_ids
             token = cycle[len(tokens) % cycle_len]
+            if state.matcher is not None:
+                token = grammars.choose(state, token)
+                grammars.advance((state,), (token,))
             tokens.append(token)
             seq_ids.append(all_seq_ids[i])
             token_ids.append(token)

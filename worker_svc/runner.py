@@ -28,6 +28,7 @@ from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.logits_adjust import LogitsAdjuster
 from worker_svc.parallel.group import SINGLE, TensorParallel
 from worker_svc.sampler import Sampler, SamplingBatch
+from worker_svc.structured import GrammarMasks
 from worker_svc.weights import load_model
 
 log = logging.getLogger("pagewire.worker")
@@ -142,7 +143,8 @@ class ModelRunner:
         max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
         self.sampler = Sampler(self.device)
-        self.adjuster = LogitsAdjuster(mc.vocab_size, self.device, self._grammar_masks())
+        # only rank 0 adjusts logits and samples: the other ranks keep no adjustment state
+        self.adjuster = LogitsAdjuster(mc.vocab_size, self.device, self._grammar_masks() if tp.is_first else None)
         self.decode_graphs: DecodeGraphs | None = None
         # collectives are not captured in graphs: steps of several ranks run eagerly
         if self.device.type == "cuda" and config.cuda_graphs and tp.size == 1:
@@ -161,8 +163,9 @@ class ModelRunner:
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
 
-    def _grammar_masks(self):
-        return None
+    def _grammar_masks(self) -> GrammarMasks | None:
+        mc = self.model_config
+        return GrammarMasks.for_model(self.model_dir, mc.vocab_size, mc.eos_token_ids, self.device)
 
     def _default_kv_budget(self) -> int:
         if self.device.type == "cuda":
@@ -204,8 +207,9 @@ class ModelRunner:
                     if state is not None and state.is_adjusted:
                         adjuster.drop(state)
             copies = self.seqs.apply(plan)  # checks the plan: KeyError/ValueError if it contradicts our state
-            for new in plan.new_seqs:
-                adjuster.add(self.seqs.get(new.seq_id))
+            if self.tp.is_first:
+                for new in plan.new_seqs:
+                    adjuster.add(self.seqs.get(new.seq_id))
             if copies:
                 self.kv_cache.copy_blocks(copies)
                 self.num_block_copies += len(copies)
@@ -215,6 +219,9 @@ class ModelRunner:
         with nvtx_range("prepare inputs"):
             inputs = self._prepare_inputs(plan)
         meta = inputs.meta
+        grammars = adjuster.grammars
+        if grammars is not None and grammars.num_active:
+            grammars.start(inputs.sampled_states)  # the masks are filled while the model runs
         graphs = self.decode_graphs
         num_seqs = len(meta.seq_lens_cpu)
         if graphs is not None and meta.max_query_len == 1 and len(inputs.sampled_states) == num_seqs and graphs.fits(num_seqs):
@@ -245,8 +252,8 @@ class ModelRunner:
         token_list = tokens.tolist()  # the step's one device -> host sync
         for state, token in zip(states, token_list):
             state.token_ids.append(token)
-        if adjuster.grammars is not None and adjuster.grammars.num_active:
-            adjuster.grammars.advance(states, token_list)
+        if grammars is not None and grammars.num_active:
+            grammars.advance(states, token_list)
         result.seq_ids = inputs.sampled_seq_ids
         result.token_ids = token_list
         if want_logprobs:

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 
+from pagewire.bench.sampling_mix import help_text as mix_help, parse_mixes
 from pagewire.bench.server import BenchError, passthrough_flags
 from pagewire.cli import _positive_int
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, add_arguments
@@ -37,6 +38,11 @@ examples:
 
   # a server that is already running; Poisson arrivals at 20 req/s, mixed prompt lengths
   pagewire bench --addr 127.0.0.1:50051 --request-rate 20 --prompt-len 16-512 --json out.json --plot out.png
+
+  # what penalties and JSON schemas cost per step: the same workload three times, half the requests
+  # with the feature in the 2nd and 3rd columns
+  pagewire bench --serve --num-requests 64 --concurrency 32 --max-new-tokens 64 --ignore-eos \
+      --sampling-mix greedy,penalties,json_schema
 
   # prefix-cache workload: the same text, alone and repeated 4 times
   pagewire bench --serve --prompt "The history of the lighthouse. " --prompt-repeats 1,4 --no-prefix-cache
@@ -181,6 +187,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    "the same number of tokens")
     g.add_argument("--temperature", type=_non_negative_float, default=0.0,
                    help="0 is greedy; > 0 samples with top-k/top-p off (default: %(default)s)")
+    g.add_argument("--sampling-mix", type=parse_mixes, default=["greedy"], metavar="MIX[,MIX]", help=mix_help())
     g.add_argument("--warmup-runs", type=_non_negative_int, default=1,
                    help="runs of the same shape before measuring, not reported (default: %(default)s)")
     g.add_argument("--repeat-runs", type=_positive_int, default=1,

@@ -37,6 +37,15 @@ def completion_body(req: pb.GenerateRequest, model: str) -> dict:
         body["ignore_eos"] = True
     if s.stop:
         body["stop"] = list(s.stop)
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if getattr(s, name):
+            body[name] = getattr(s, name)
+    if s.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in s.logit_bias.items()}
+    if s.json_schema:
+        body["guided_json"] = s.json_schema
+    if s.regex:
+        body["guided_regex"] = s.regex
     return body
 
 

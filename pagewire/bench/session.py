@@ -118,6 +118,7 @@ class Bench:
         ``--backend`` (in turn within each run); the measured runs' LoadResults by door."""
         from pagewire.bench.http_client import HttpClient
         from pagewire.bench.loadgen import Client, ClientPool, ServerUnreachable, build_requests
+        from pagewire.bench.sampling_mix import apply_mix
         from pagewire.client import make_sampling
 
         args = self.args
@@ -141,11 +142,13 @@ class Bench:
             sampling = make_sampling(max_tokens=args.max_new_tokens, temperature=args.temperature,
                                      ignore_eos=args.ignore_eos)
             runner = pool or client
-            measured: dict[str, list] = {backend: [] for backend in args.backend}
+            columns = [(backend, mix) for backend in args.backend for mix in args.sampling_mix]
+            measured: dict[tuple[str, str], list] = {column: [] for column in columns}
             for i in range(self.num_runs):
-                requests = build_requests(self.run_prompts[i], sampling)
-                for backend in args.backend:
-                    label = self.run_label(self.engine_name(backend), i)
+                plain = build_requests(self.run_prompts[i], sampling)
+                for backend, mix in columns:
+                    requests = plain if mix == "greedy" else apply_mix(plain, mix)
+                    label = self.run_label(self.engine_name(backend, mix), i)
                     with self.progress(label) as bar:
                         common = dict(concurrency=args.concurrency, arrival_offsets=self.run_offsets[i],
                                       request_timeout=args.request_timeout, progress=bar)
@@ -155,7 +158,7 @@ class Bench:
                             result = await runner.run(requests, **common)
                     self.log_run(label, result.records, result.duration_s, result.client_cpu_fraction)
                     if i >= args.warmup_runs:
-                        measured[backend].append(result)
+                        measured[backend, mix].append(result)
             return measured
         finally:
             if pool is not None:
@@ -164,9 +167,10 @@ class Bench:
                 await http.close()
             await client.close()
 
-    def engine_name(self, backend: str) -> str:
-        """The table's name for a door: ours is the first one given."""
-        return OURS if backend == self.args.backend[0] else f"{OURS}-{backend}"
+    def engine_name(self, backend: str, mix: str) -> str:
+        """The table's name for a door and a sampling mix: ours is the first of each given."""
+        name = OURS if backend == self.args.backend[0] else f"{OURS}-{backend}"
+        return name if mix == self.args.sampling_mix[0] else f"{name}-{mix}"
 
     def http_url(self) -> str:
         from pagewire_common.settings import default_of
@@ -282,6 +286,8 @@ class Bench:
             lo, hi = args.prompt_len
             prompt = f"{lo} random tokens" if lo == hi else f"{lo}-{hi} random tokens"
         sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
+        if args.sampling_mix != ["greedy"]:
+            sampling += "; sampling mixes (every other request): " + ", ".join(args.sampling_mix)
         eos = ", ignore EOS" if args.ignore_eos else ""
         worker = " [null worker: no model math]" if args.worker == "null" else ""
         cpu = cpu_info()
@@ -299,7 +305,8 @@ class Bench:
         args = self.args
         keys = ("num_requests", "concurrency", "request_rate", "seed", "prompt_len", "prompt", "prompt_repeats",
                 "max_new_tokens", "ignore_eos", "temperature", "warmup_runs", "repeat_runs", "request_timeout",
-                "baselines", "baseline_batch_size", "serve", "worker", "client_processes", "connections")
+                "baselines", "baseline_batch_size", "serve", "worker", "client_processes", "connections",
+                "sampling_mix")
         out = {k: getattr(args, k) for k in keys}
         out["prompt_len"] = list(args.prompt_len) if args.prompt_len else None
         out["worker"] = args.worker or "model"
@@ -349,15 +356,15 @@ class Bench:
                     print(f"pagewire bench: the server exited with code {code}; its last output:\n"
                           f"{server.output_tail()}", file=sys.stderr)
         results = []
-        for backend, runs in measured.items():
+        for (backend, mix), runs in measured.items():
             cpu = [m.client_cpu_fraction for m in runs]
             results.append(EngineResult(
-                name=self.engine_name(backend),
+                name=self.engine_name(backend, mix),
                 runs=[run_metrics(m.records, m.duration_s, client_cpu_fraction=m.client_cpu_fraction) for m in runs],
                 aggregate=pooled_metrics([(m.records, m.duration_s) for m in runs], client_cpu_fractions=cpu),
                 records=[rec for m in runs for rec in m.records],
                 details={"addr": self.http_url() if backend == "openai" else addr, "backend": backend,
-                         "client_processes": args.client_processes},
+                         "sampling_mix": mix, "client_processes": args.client_processes},
             ))
         if self.baselines:
             results += self.run_baselines()
