@@ -262,6 +262,11 @@ def validate_args(args) -> None:
     if args.client_processes is None:
         streams = args.concurrency or DEFAULT_CONCURRENCY
         args.client_processes = 1 if "openai" in args.backend else max(1, min(4, streams // 64, (os.cpu_count() or 1) // 4))
+    if len(args.backend) * len(args.sampling_mix) > 1 and args.enable_prefix_caching is not False:
+        # every column of a run sends the run's prompts: the later columns find them cached
+        print("pagewire bench: note: each column of a run sends the same prompts, so with the prefix cache on the "
+              "later columns find them cached (lower TTFT, higher throughput); add --no-prefix-cache to compare "
+              "columns", file=sys.stderr)
     if "openai" in args.backend and args.client_processes > 1:
         raise BenchError("--backend openai runs its client in this process: use --client-processes 1")
     if args.concurrency is not None and args.client_processes > args.concurrency:
