@@ -242,7 +242,8 @@ def start_runner(model_dir: str | Path, settings: Settings):
 
 
 def run_rank(model_dir: str | Path, settings: Settings) -> int:
-    """``pagewire worker --rank R`` (R > 0): join, load this rank's shard, run rank 0's plans."""
+    """``pagewire worker --rank R`` (R > 0): join, load this rank's shard, run rank 0's plans; when
+    rank 0 says STOP, leave the process group and end the process (exit code 0)."""
     import torch.distributed as dist
 
     from worker_svc.runner import ModelRunner
@@ -256,7 +257,14 @@ def run_rank(model_dir: str | Path, settings: Settings) -> int:
     tp, channel = _join(rank, n, store, config.device)
     runner = ModelRunner(model_dir, config, tp)
     log.info("tensor-parallel rank %d of %d ready", rank, n)
-    return follow(runner, channel)
+    code = follow(runner, channel)
+    # leave the groups now: torch's objects torn down at interpreter exit can find gloo's threads
+    # still joinable and abort the process ("terminate called without an active exception")
+    dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def follow(runner, channel: PlanChannel) -> int:
