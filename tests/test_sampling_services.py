@@ -50,17 +50,22 @@ def mixed_params(n: int) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=16, **kinds[i % len(kinds)]) for i in range(n)]
 
 
-def test_mixed_settings_in_one_batch_match_the_offline_api(services, offline, model_dir):
-    prompts = sample_prompts(model_dir, n=12)
-    params = mixed_params(len(prompts))
-    expected = offline.generate(prompts, params)
-    s = stub(services)
+
+def generate_concurrently(addr: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[list]:
+    """Every prompt as its own Generate call, all at once; each call's responses, in order."""
+    s = stub(addr)
 
     def one(i):
         return list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=wire.sampling_to_pb(params[i]))))
 
     with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(one, range(len(prompts))))
+        return list(pool.map(one, range(len(prompts))))
+
+def test_mixed_settings_in_one_batch_match_the_offline_api(services, offline, model_dir):
+    prompts = sample_prompts(model_dir, n=12)
+    params = mixed_params(len(prompts))
+    expected = offline.generate(prompts, params)
+    results = generate_concurrently(services, prompts, params)
     for i, responses in enumerate(results):
         sp, want = params[i], expected[i]
         ids = [t for r in responses for t in r.token_ids]
@@ -130,13 +135,7 @@ def test_structured_outputs_match_the_offline_api_and_their_grammar(services, of
     params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=80, **kinds[i % len(kinds)])
               for i in range(len(prompts))]
     expected = offline.generate(prompts, params)
-    s = stub(services)
-
-    def one(i):
-        return list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=wire.sampling_to_pb(params[i]))))
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(one, range(len(prompts))))
+    results = generate_concurrently(services, prompts, params)
     for i, responses in enumerate(results):
         sp = params[i]
         want = expected[i].samples or [expected[i]]
