@@ -50,7 +50,6 @@ def mixed_params(n: int) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=16, **kinds[i % len(kinds)]) for i in range(n)]
 
 
-
 def generate_concurrently(addr: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[list]:
     """Every prompt as its own Generate call, all at once; each call's responses, in order."""
     s = stub(addr)
