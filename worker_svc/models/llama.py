@@ -67,10 +67,16 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        q, k = self.heads(q.view(num_tokens, self.num_heads, self.head_dim),  # [T, H, D]
+                          k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_layer, meta))
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query and key heads before the rotary embedding (Qwen3 normalizes them here)."""
+        return q, k
 
 
 class LlamaMLP(nn.Module):

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.paged import AttentionMetadata
 from worker_svc.config import ModelConfig
-from worker_svc.layers import RMSNorm, apply_rotary
+from worker_svc.layers import RMSNorm
 from worker_svc.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from worker_svc.parallel.group import SINGLE, TensorParallel
 
@@ -25,22 +24,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # [T, H, D]
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_layer, meta))
+    def heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
