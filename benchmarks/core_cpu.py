@@ -44,7 +44,7 @@ class InstantWorker:
                                num_kv_blocks=1 << 16, eos_token_ids=[0], dtype="float32", device="cpu",
                                tokenizer_files={})
 
-    def open(self) -> None:
+    async def open(self) -> None:
         pass
 
     async def send(self, plan) -> None:

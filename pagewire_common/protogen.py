@@ -16,7 +16,8 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # .../pagewire_common
 PROTO_ROOT = PACKAGE_DIR.parent / "protos"
-PROTO_FILES = ("pagewire/v1/generation.proto", "pagewire/v1/worker.proto", "pagewire/v1/core.proto")
+PROTO_FILES = ("pagewire/v1/generation.proto", "pagewire/v1/link.proto", "pagewire/v1/worker.proto",
+               "pagewire/v1/core.proto")
 _IMPORT = re.compile(r"^from pagewire\.v1 import", re.MULTILINE)
 
 

@@ -3,10 +3,10 @@
 Several API-server processes can listen on one address (SO_REUSEPORT: the kernel spreads the
 connections). Each validates requests, tokenizes prompts and renders chat templates without
 stalling its event loop (``OffloadedTokenizer``), sends them to the core over one ``Connect``
-stream, and turns the core's per-step token arrays into each client's stream: incremental text,
-stop strings (a stop ends the request in the core), ``--stream-interval``. ``GetStats`` and
-``GetModelInfo`` answer from the core's figures. Health is SERVING only while the link to the
-core and the core's link to the worker are both up.
+session (its frame link carries the messages both ways), and turns the core's per-step token
+arrays into each client's stream: incremental text, stop strings (a stop ends the request in the
+core), ``--stream-interval``. ``GetStats`` and ``GetModelInfo`` answer from the core's figures.
+Health is SERVING only while the link to the core and the core's link to the worker are both up.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import wire
 from pagewire_common.addresses import add_port
+from pagewire_common.framelink import LinkClosed, LinkSession
 from pagewire_common.v1 import core_pb2, core_pb2_grpc, generation_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.api_request import (
@@ -81,7 +82,7 @@ class ApiServer:
         self._on_health = on_health or (lambda serving: None)
         self._channel = grpc.aio.insecure_channel(core_address, options=CHANNEL_OPTIONS)
         self._stub = core_pb2_grpc.SchedulerCoreStub(self._channel)
-        self._call = None
+        self._session: LinkSession | None = None
         self._rids = itertools.count(1)
         self.pending: dict[int, _Pending] = {}
         self.model: ServedModel | None = None
@@ -94,7 +95,6 @@ class ApiServer:
         self._stops: list[int] = []
         self._num_rejected = 0
         self._flush_wanted = asyncio.Event()
-        self._write_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self.draining = False  # shutting down: new requests are refused on every door
@@ -119,8 +119,8 @@ class ApiServer:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
-        if self._call is not None:
-            self._call.cancel()
+        if self._session is not None:
+            self._session.close()
         await self._channel.close()
         if self.model is not None and self.model.offloaded is not None:
             self.model.offloaded.close()
@@ -130,10 +130,7 @@ class ApiServer:
         return self.connected.is_set()
 
     async def stats(self) -> pb.Stats:
-        try:
-            await self.flush()  # rejections counted here reach the core first
-        except (grpc.RpcError, grpc.aio.UsageError, RuntimeError) as e:
-            self._write_failed(e)
+        self.flush()  # rejections counted here reach the core first
         return await self._stub.CoreStats(pb.StatsRequest(), timeout=5)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -166,41 +163,30 @@ class ApiServer:
             self._aborts.append(rid)
             self._flush_wanted.set()
 
-    async def flush(self) -> None:
+    def flush(self) -> None:
         """Send what is queued for the core now."""
-        if self._call is not None and self._has_queued():
-            await self._write_queued()
-
-    def _write_failed(self, e: Exception) -> None:
-        # the stream is broken: end it, so the reader fails what is in flight and reconnects
-        log.warning("write to the scheduler core failed: %s", e)
-        if self._call is not None:
-            self._call.cancel()
+        if self._session is None or not self._has_queued():
+            return
+        try:
+            self._write_one()
+        except LinkClosed as e:
+            # the session is broken: end it, so the reader fails what is in flight and reconnects
+            log.warning("write to the scheduler core failed: %s", e)
+            self._session.close()
 
     def _has_queued(self) -> bool:
         return bool(self._out.adds or self._aborts or self._stops or self._num_rejected or self._out.ready
                     or self._num_outputs_done != self._num_outputs_acked)
 
     async def _write_loop(self) -> None:
-        # one writer: a grpc.aio stream takes one write at a time; whatever piles up while a
-        # write is under way goes out as one message
+        # everything queued during one turn of the loop (adds, aborts, stops, the acknowledgement)
+        # goes to the core as one message
         while True:
             await self._flush_wanted.wait()
             self._flush_wanted.clear()
-            if self._call is None or not self._has_queued():
-                continue
-            try:
-                await self._write_queued()
-            except (grpc.RpcError, grpc.aio.UsageError, RuntimeError) as e:
-                self._write_failed(e)
+            self.flush()
 
-    async def _write_queued(self) -> None:
-        # one write at a time on the stream (the writer task and ``flush`` both come here)
-        async with self._write_lock:
-            if self._call is not None and self._has_queued():
-                await self._write_one()
-
-    async def _write_one(self) -> None:
+    def _write_one(self) -> None:
         msg, self._out = self._out, core_pb2.CoreRequests()
         if self._aborts:
             msg.abort_rids = np.asarray(self._aborts, dtype=_I64).tobytes()
@@ -210,7 +196,7 @@ class ApiServer:
             self._stops = []
         msg.num_rejected, self._num_rejected = self._num_rejected, 0
         msg.num_outputs_done = self._num_outputs_acked = self._num_outputs_done
-        await self._call.write(msg)
+        self._session.write(msg.SerializeToString())
 
     # ---- the link to the core ------------------------------------------------------------------
 
@@ -222,7 +208,7 @@ class ApiServer:
                 backoff = 0.2
             except asyncio.CancelledError:
                 raise
-            except grpc.RpcError as e:
+            except (grpc.RpcError, LinkClosed) as e:
                 log.debug("core link: %s", e)
             except Exception:
                 log.exception("core link failed")
@@ -231,13 +217,14 @@ class ApiServer:
             backoff = min(backoff * 2, 2.0)
 
     async def _serve_link(self) -> None:
-        await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=5, wait_for_ready=True)
-        self._call = self._stub.Connect()
+        info = await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=5, wait_for_ready=True)
+        self._session = await LinkSession.open(self.core_address, info.frame_link, self._stub.Connect)
         self._said_ready = False
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         self.core_connected = True
         log.info("connected to the scheduler core at %s", self.core_address)
-        async for msg in self._call:
+        while True:
+            msg = core_pb2.CoreOutput.FromString(await self._session.read())
             if msg.has_worker_state:
                 await self._worker_state(msg)
             self.dispatch(msg)
@@ -294,9 +281,9 @@ class ApiServer:
             self._on_health(False)
 
     def _link_lost(self, message: str) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+        if self._session is not None:
+            self._session.close()
+            self._session = None
         self.core_connected = False
         self.worker_connected = False
         self._set_connected(False)

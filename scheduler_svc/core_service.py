@@ -2,12 +2,13 @@
 API servers talk to.
 
 Everything runs on one asyncio event loop in one thread. Each API server holds one ``Connect``
-stream: its requests (token ids + sampling, already validated) and aborts come in, and after each
-step the core sends it one ``CoreOutput`` with that server's new tokens as packed arrays, so the
-core's cost grows with steps and tokens, not with streamed messages. There is no tokenizer on
-this path. When the worker is lost, every request in flight fails with UNAVAILABLE, block
-accounting starts over, and the task reconnects. When an API server's stream ends (the process
-died or stopped), its requests are aborted and their blocks freed before the next plan.
+session; on its frame link (``pagewire_common.framelink``) its requests (token ids + sampling,
+already validated), aborts and stops come in, and after each step the core sends it one
+``CoreOutput`` with that server's new tokens as packed arrays, so the core's cost grows with
+steps and tokens, not with streamed messages. There is no tokenizer on this path. When the
+worker is lost, every request in flight fails with UNAVAILABLE, block accounting starts over,
+and the task reconnects. When an API server's session ends (the process died, stopped, or stopped
+answering), its requests are aborted and their blocks freed before the next plan.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import numpy as np
 
 from pagewire_common import wire
 from pagewire_common.addresses import peer_name
+from pagewire_common.framelink import FrameListener, LinkClosed
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import sample_request_id
-from scheduler_svc.engine import EngineCore, WorkerInfo
+from scheduler_svc.engine import EngineCore, WorkerInfo, sample_request_id
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerLink, WorkerLinkError
@@ -73,9 +74,9 @@ class Outbox:
 
 
 class ApiClient:
-    """One API server's Connect stream: its requests in flight, and the step's outputs for it."""
+    """One API server's Connect session: its requests in flight, and the step's outputs for it."""
 
-    def __init__(self, client_id: int, peer: str = ""):
+    def __init__(self, client_id: int, peer: str = "", send=None):
         self.client_id = client_id
         self.peer = peer
         self.rids: dict[int, str] = {}  # rid -> the core's request key
@@ -84,6 +85,7 @@ class ApiClient:
         self.num_outputs_done = 0  # ...and how many of them the API server has handed on
         self.unresponsive = False  # behind for longer than BACKPRESSURE_TIMEOUT_S: not waited for
         self.outbox = Outbox()
+        self.send = send or self.outbox.put_nowait  # takes each CoreOutput
         self._clear()
 
     def _clear(self) -> None:
@@ -122,7 +124,10 @@ class ApiClient:
         if msg.rids or msg.finished_rids:
             self.num_outputs_sent += 1
         self._clear()
-        self.outbox.put_nowait(msg)
+        try:
+            self.send(msg)
+        except LinkClosed:  # the API server is gone: its session's end aborts its requests
+            pass
 
     @property
     def is_behind(self) -> bool:
@@ -161,6 +166,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self.has_chat_template = False
         self.worker_generation = 0
         self.connected = asyncio.Event()
+        self.frames = FrameListener()  # the frame links of the API servers' Connect sessions
         self.num_submitted = 0
         self.num_rejected = 0
         self.num_steps = 0
@@ -183,7 +189,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             except asyncio.CancelledError:
                 pass
         for client in list(self._clients.values()):
-            client.outbox.put_nowait(None)
+            client.outbox.put_nowait(None)  # ends a consumer in this process
+        await self.frames.close()
         if self._link is not None:
             await self._link.close()
 
@@ -203,28 +210,18 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
     async def CoreStats(self, request, context) -> pb.Stats:
         return pb.Stats(**self.stats())
 
-    async def Connect(self, request_iterator, context):
-        client = self.open_client(context.peer())
-        reader = asyncio.get_running_loop().create_task(self._read(client, request_iterator))
+    async def Connect(self, request, context):
+        conn = await self.frames.open_session(request, context)
+        client = self.open_client(context.peer(), send=lambda msg: conn.write(msg.SerializeToString()))
         try:
-            yield self.worker_state_message()
-            while True:
-                for msg in await client.outbox.take():
-                    if msg is None:  # the API server closed its side, or the core stops
-                        return
-                    yield msg
-        finally:
-            reader.cancel()
-            self.close_client(client)
-
-    async def _read(self, client: ApiClient, request_iterator) -> None:
-        try:
-            async for msg in request_iterator:
-                self.apply(client, msg)
-        except (grpc.RpcError, asyncio.CancelledError):
+            conn.write(self.worker_state_message().SerializeToString())
+            while (data := await conn.read()) is not None:
+                self.apply(client, core_pb2.CoreRequests.FromString(data))
+        except LinkClosed:
             pass
         finally:
-            client.outbox.put_nowait(None)
+            conn.close()
+            self.close_client(client)
 
     def info_response(self) -> core_pb2.CoreInfoResponse:
         info = self.worker_info
@@ -243,6 +240,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             msg.device = info.device
             for name, data in self.tokenizer_files.items():
                 msg.tokenizer_files[name] = data
+        msg.frame_link.CopyFrom(self.frames.describe())
         return msg
 
     def worker_state_message(self) -> core_pb2.CoreOutput:
@@ -271,8 +269,10 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
 
     # ---- requests from API servers -------------------------------------------------------------
 
-    def open_client(self, peer: str = "") -> ApiClient:
-        client = ApiClient(next(self._client_ids), peer)
+    def open_client(self, peer: str = "", send=None) -> ApiClient:
+        """A new API server; ``send`` takes each of its ``CoreOutput`` messages (by default they
+        go on ``client.outbox``, for a consumer in this process)."""
+        client = ApiClient(next(self._client_ids), peer, send)
         self._clients[client.client_id] = client
         log.info("API server %d connected (%s)", client.client_id, peer_name(peer))
         return client
@@ -384,7 +384,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
     async def _connect(self) -> bool:
         try:
             info = await self._link.info(timeout=2.0)
-            self._link.open()
+            await self._link.open()
         except WorkerLinkError as e:
             log.debug("worker not reachable: %s", e)
             return False
@@ -525,7 +525,10 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
 
     def _broadcast_worker_state(self) -> None:
         for client in self._clients.values():
-            client.outbox.put_nowait(self.worker_state_message())
+            try:
+                client.send(self.worker_state_message())
+            except LinkClosed:
+                pass
 
     def _worker_lost(self, message: str) -> None:
         log.error("lost the worker: %s; failing in-flight requests and reconnecting", message)

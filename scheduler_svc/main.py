@@ -94,6 +94,7 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         add_port(server, core_listen)
+        await core.frames.start(core_listen)
     except OSError:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,11 +1,13 @@
-"""The scheduler's link to the worker: ``Info`` and one long-lived ``Execute`` stream, on the
-scheduler's asyncio event loop (grpc.aio), so plans and results never cross a thread."""
+"""The scheduler's link to the worker: ``Info`` and one long-lived ``Execute`` session, whose frame
+link carries plans and results (``pagewire_common.framelink``), on the scheduler's asyncio event
+loop, so plans and results never cross a thread."""
 
 from __future__ import annotations
 
 import grpc
 
 from pagewire_common import wire
+from pagewire_common.framelink import LinkClosed, LinkSession
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 
@@ -17,6 +19,8 @@ CHANNEL_OPTIONS = [
     # a peer that stops answering (not just one that closes its socket) is noticed in seconds
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 3000),
+    # without it grpcio 1.85 never times out a ping the client sent: a frozen peer went unnoticed
+    ("grpc.http2.ping_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # reconnect quickly when a restarted peer comes back
@@ -26,7 +30,7 @@ CHANNEL_OPTIONS = [
 
 
 class WorkerLinkError(RuntimeError):
-    """The worker is unreachable or broke the stream."""
+    """The worker is unreachable or ended the session."""
 
 
 class WorkerLink:
@@ -36,47 +40,51 @@ class WorkerLink:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self._call = None
+        self._session: LinkSession | None = None
+        self._frame_link = None  # where the worker takes frame links, from its Info
 
     def _error(self, e: grpc.RpcError) -> WorkerLinkError:
         return WorkerLinkError(f"worker {self.address}: {e.code().name}: {e.details()}")
 
     async def info(self, timeout: float = 5.0) -> worker_pb2.InfoResponse:
         try:
-            return await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
+            info = await self._stub.Info(worker_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
         except grpc.RpcError as e:
             raise self._error(e) from None
+        self._frame_link = info.frame_link
+        return info
 
-    def open(self) -> None:
-        """Start a fresh Execute stream (the worker drops any state it had)."""
+    async def open(self) -> None:
+        """Start a fresh Execute session (the worker drops any state it had)."""
         self.close_stream()
-        self._call = self._stub.Execute()
+        if self._frame_link is None:
+            await self.info()
+        try:
+            self._session = await LinkSession.open(self.address, self._frame_link, self._stub.Execute)
+        except LinkClosed as e:
+            raise WorkerLinkError(f"worker {e}") from None
 
     async def send(self, plan: StepPlan) -> None:
-        if self._call is None:
-            raise WorkerLinkError("no stream open to the worker")
+        if self._session is None:
+            raise WorkerLinkError("no session open with the worker")
         try:
-            await self._call.write(wire.plan_to_pb(plan))
-        except grpc.RpcError as e:
-            raise self._error(e) from None
-        except (grpc.aio.UsageError, RuntimeError) as e:  # the stream already ended
-            raise WorkerLinkError(f"worker {self.address}: stream closed ({e})") from None
+            self._session.write(wire.plan_to_pb(plan).SerializeToString())
+        except LinkClosed as e:
+            raise WorkerLinkError(f"worker {e}") from None
 
     async def receive(self) -> StepResult:
-        if self._call is None:
-            raise WorkerLinkError("no stream open to the worker")
+        if self._session is None:
+            raise WorkerLinkError("no session open with the worker")
         try:
-            msg = await self._call.read()
-        except grpc.RpcError as e:
-            raise self._error(e) from None
-        if msg is grpc.aio.EOF:
-            raise WorkerLinkError(f"worker {self.address} closed the stream")
-        return wire.result_from_pb(msg)
+            data = await self._session.read()
+        except LinkClosed as e:
+            raise WorkerLinkError(f"worker {e}") from None
+        return wire.result_from_pb(worker_pb2.StepResult.FromString(data))
 
     def close_stream(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+        if self._session is not None:
+            self._session.close()
+            self._session = None
 
     async def close(self) -> None:
         self.close_stream()

@@ -54,8 +54,8 @@ def test_public_contract_names():
     }
     assert [v.name for v in pb.FinishReason.DESCRIPTOR.values] == ["UNSPECIFIED", "STOP", "LENGTH"]
     worker = wpb.DESCRIPTOR.services_by_name["Worker"]
-    execute = worker.methods_by_name["Execute"]
-    assert execute.client_streaming and execute.server_streaming
+    execute = worker.methods_by_name["Execute"]  # a session: plans and results go on its frame link
+    assert execute.server_streaming and execute.input_type.name == "LinkOpen"
     assert "Info" in worker.methods_by_name
 
 

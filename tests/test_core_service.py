@@ -48,7 +48,7 @@ class InProcessLink:
             num_kv_blocks=NUM_BLOCKS, eos_token_ids=[EOS], dtype="float32", device="cpu", tokenizer_files={},
         )
 
-    def open(self) -> None:
+    async def open(self) -> None:
         pass
 
     async def send(self, plan) -> None:

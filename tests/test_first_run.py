@@ -107,7 +107,7 @@ def test_a_cpu_worker_never_loads_triton_and_stops_in_a_few_lines(model_dir, tmp
         worker.wait_for_output("worker ready", timeout=120)
         async def one_step():  # attention and sampling run too
             link = WorkerLink(addr)
-            link.open()
+            await link.open()
             await link.send(StepPlan(0, new_seqs=[NewSequence(1, [5, 6, 7], [0], 0, 3, SamplingParams(temperature=0.7,
                                                                                                       seed=1))]))
             result = await link.receive()

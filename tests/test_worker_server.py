@@ -7,6 +7,8 @@ NullRunner that can block its loop on chosen steps), so each process has one eve
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ import pytest
 from pagewire_common.plan import NewSequence, RunningSequence, StepPlan
 from pagewire_common.sampling import SamplingParams
 from scheduler_svc.worker_client import CHANNEL_OPTIONS, WorkerLink, WorkerLinkError
-from tests.service_utils import REPO
+from tests.service_utils import REPO, free_port
 
 KEEPALIVE = dict(CHANNEL_OPTIONS)
 # longer than the scheduler's keepalive interval plus its timeout: a link that needed the worker's
@@ -44,7 +46,7 @@ def _serve(model_dir: str, address: str, delay: str, slow_steps: str) -> None:
     runner = SlowRunner(model_dir, RunnerConfig(block_size=4, num_kv_blocks=64))
 
     async def main():
-        server, _, _ = await worker_server.build_server(runner, address, "tiny", (0,))
+        server, _, _, _ = await worker_server.build_server(runner, address, "tiny", (0,))
         print("worker ready", flush=True)
         await server.wait_for_termination()
 
@@ -56,19 +58,21 @@ def start_worker(tiny_model_dir, tmp_path):
     """start_worker(delay=0, slow_steps=()) -> address of a worker process."""
     procs = []
 
-    def start(delay: float = 0.0, slow_steps=()) -> str:
-        address = f"unix:{tmp_path}/worker-{len(procs)}.sock"
+    def start(delay: float = 0.0, slow_steps=(), tcp: bool = False) -> str:
+        address = f"127.0.0.1:{free_port()}" if tcp else f"unix:{tmp_path}/worker-{len(procs)}.sock"
         args = [str(tiny_model_dir("llama-gqa")), address, str(delay), ",".join(map(str, slow_steps))]
         proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from tests.test_worker_server import _serve; _serve(*sys.argv[1:])", *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         procs.append(proc)
+        start.pids.append(proc.pid)
         for line in proc.stdout:
             if "worker ready" in line:
                 return address
         raise RuntimeError(f"the worker exited with {proc.wait()} before it was ready")
 
+    start.pids = []
     yield start
     for proc in procs:
         proc.kill()
@@ -85,7 +89,7 @@ async def open_when_free(address: str, timeout: float = 10.0) -> tuple[WorkerLin
     deadline = time.monotonic() + timeout
     while True:
         link = WorkerLink(address)
-        link.open()
+        await link.open()
         try:
             await link.send(first_step())
             return link, await link.receive()
@@ -101,10 +105,10 @@ def test_a_second_scheduler_stream_is_refused_and_the_next_one_starts_clean(star
 
     async def main():
         first, second = WorkerLink(address), WorkerLink(address)
-        first.open()
+        await first.open()
         await first.send(first_step())
         assert len((await first.receive()).token_ids) == 1
-        second.open()
+        await second.open()
         await second.send(first_step())
         with pytest.raises(WorkerLinkError, match="FAILED_PRECONDITION.*another scheduler"):
             await second.receive()
@@ -126,7 +130,7 @@ def test_a_step_longer_than_the_keepalive_timeout_keeps_the_link(start_worker):
 
     async def main():
         link = WorkerLink(address)
-        link.open()
+        await link.open()
         await link.send(first_step(0))
         await link.receive()
         t0 = time.monotonic()
@@ -146,7 +150,7 @@ def test_a_plan_that_contradicts_the_worker_state_ends_the_stream_with_invalid_a
 
     async def main():
         link = WorkerLink(address)
-        link.open()
+        await link.open()
         await link.send(StepPlan(0, running_seqs=[RunningSequence(42, 1)]))
         with pytest.raises(WorkerLinkError, match="INVALID_ARGUMENT.*not known"):
             await link.receive()
@@ -163,3 +167,49 @@ def test_info_over_grpc(start_worker):
         info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
     assert (info.model_name, info.block_size, info.num_kv_blocks) == ("tiny", 4, 64)
     assert "tokenizer.json" in info.tokenizer_files
+
+
+def test_a_session_over_tcp_takes_its_frame_link_on_the_workers_host(start_worker):
+    address = start_worker(tcp=True)
+
+    async def main():
+        link, result = await open_when_free(address)
+        assert result.seq_ids == [1] and len(result.token_ids) == 1
+        await link.send(StepPlan(1, running_seqs=[RunningSequence(1, 1)]))
+        assert (await link.receive()).step_id == 1
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_session_without_its_frame_link_is_refused(start_worker):
+    from pagewire_common.v1 import link_pb2, worker_pb2_grpc
+
+    address = start_worker()
+    with grpc.insecure_channel(address) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).Execute(link_pb2.LinkOpen(token=b"0" * 16), timeout=30)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no frame link" in e.value.details()
+
+
+def test_a_worker_that_stops_answering_ends_the_session_within_the_keepalive_timeout(start_worker):
+    """The frame link alone cannot tell a frozen worker from a long step; the session's keepalive
+    can, because gRPC answers pings from its own thread, which a stopped process does not run."""
+    address = start_worker()
+
+    async def main():
+        link, _ = await open_when_free(address)
+        os.kill(start_worker.pids[-1], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            await link.send(StepPlan(1, running_seqs=[RunningSequence(1, 1)]))
+            with pytest.raises(WorkerLinkError, match="UNAVAILABLE"):
+                await asyncio.wait_for(link.receive(), SLOW_STEP_SECONDS + 5)
+            assert time.monotonic() - t0 < SLOW_STEP_SECONDS + 2
+        finally:
+            os.kill(start_worker.pids[-1], signal.SIGCONT)
+            await link.close()
+
+    asyncio.run(main())

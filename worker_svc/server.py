@@ -1,11 +1,12 @@
-"""The worker's gRPC service: ``Info`` and the long-lived ``Execute`` stream of step plans.
+"""The worker's gRPC service: ``Info`` and the long-lived ``Execute`` session, whose frame link
+carries the step plans and their results (``pagewire_common.framelink``).
 
 It runs on grpc.aio with the event loop on the process's main thread, and executes each plan
 inline on that thread: there is one scheduler and one plan at a time, so nothing else needs the
 loop during a step, and no step ever crosses a thread. (torch's CPU kernels also run markedly
 slower when driven from a thread other than the main one: 1.5x here, as OpenMP sets up a thread
-team per calling thread.) gRPC's core keeps answering keepalive pings from its own poller
-thread while a step runs.
+team per calling thread.) gRPC's core keeps answering keepalive pings on the session from its own
+poller thread while a step runs.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import eventloop, wire
 from pagewire_common.addresses import add_port, check_address_free, describe, peer_name
-from pagewire_common.wire import TOKENIZER_FILES
+from pagewire_common.framelink import FrameListener
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
+from pagewire_common.wire import TOKENIZER_FILES
 from worker_svc.parallel.group import GroupFailed
 
 log = logging.getLogger("pagewire.worker")
@@ -33,9 +35,9 @@ SERVICE_NAME = "pagewire.v1.Worker"
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Applies step plans from one scheduler at a time. A new ``Execute`` stream means a
+    """Applies step plans from one scheduler at a time. A new ``Execute`` session means a
     (re)connected scheduler with fresh block accounting, so per-sequence state starts empty;
-    a second concurrent stream is refused with FAILED_PRECONDITION."""
+    a second concurrent session is refused with FAILED_PRECONDITION."""
 
     def __init__(self, runner, model_name: str, eos_token_ids: tuple[int, ...], on_fatal=None):
         self.runner = runner
@@ -43,6 +45,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.eos_token_ids = eos_token_ids
         self._connected = False
         self.num_steps = 0
+        self.frames = FrameListener()
         # called with a reason when the worker cannot go on (a tensor-parallel rank is gone)
         self.on_fatal = on_fatal or (lambda reason: None)
 
@@ -66,13 +69,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_layers=mc.num_layers,
             hidden_size=mc.hidden_size,
             tokenizer_files=files,
+            frame_link=self.frames.describe(),
         )
 
     async def Info(self, request, context):
         return self.info_response()
 
-    async def Execute(self, request_iterator, context):
+    async def Execute(self, request, context):
+        conn = await self.frames.open_session(request, context)
         if self._connected:
+            conn.close()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is already connected")
         self._connected = True
         runner = self.runner
@@ -80,20 +86,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             runner.reset()
             log.info("scheduler connected (%s)", peer_name(context.peer()))
-            async for plan_msg in request_iterator:
-                plan = wire.plan_from_pb(plan_msg)
+            while (data := await conn.read()) is not None:
+                plan = wire.plan_from_pb(worker_pb2.StepPlan.FromString(data))
                 try:
                     result = runner.execute(plan)  # inline: the loop has nothing else to do
                 except (KeyError, ValueError) as e:  # a plan that contradicts our state
                     log.error("bad step plan %d: %s", plan.step_id, e)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
                 self.num_steps += 1
-                yield wire.result_to_pb(result)
+                conn.write(wire.result_to_pb(result).SerializeToString())
         except GroupFailed as e:  # as for a dead worker: UNAVAILABLE, and the worker stops
             failed = e
             self.on_fatal(str(e))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the worker lost a rank: {e}")
         finally:
+            conn.close()
             self._connected = False
             if failed is None:
                 try:
@@ -104,8 +111,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int, ...], on_fatal=None):
-    """A started grpc.aio server for ``runner`` on ``listen`` (host:port or unix:PATH); returns
-    (server, bound port, health servicer). Call from the event loop that will serve it."""
+    """A started grpc.aio server for ``runner`` on ``listen`` (host:port or unix:PATH), with the
+    frame listener of its Execute sessions; returns (server, bound port, servicer, health servicer). Call
+    from the event loop that will serve it."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -126,10 +134,11 @@ async def build_server(runner, listen: str, model_name: str, eos_token_ids: tupl
         server,
     )
     port = add_port(server, listen)
+    await servicer.frames.start(listen)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port, health_servicer
+    return server, port, servicer, health_servicer
 
 
 def serve(settings, listen: str | None) -> int:
@@ -192,7 +201,7 @@ async def _serve_until_signal(runner, listen: str, model_name: str, eos, summary
         fatal.append(reason)
         stop.set()
 
-    server, port, health_servicer = await build_server(runner, listen, model_name, eos, on_fatal)
+    server, port, servicer, health_servicer = await build_server(runner, listen, model_name, eos, on_fatal)
     gc.collect()  # the model and its modules live as long as the process: keep them out of
     gc.freeze()  # the collector's full collections while serving
     log.info("worker ready on %s: %s", describe(listen, port), summary)
@@ -205,6 +214,7 @@ async def _serve_until_signal(runner, listen: str, model_name: str, eos, summary
         watch.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=0 if fatal else 5)
+    await servicer.frames.close()
     if fatal:
         log.error("worker stopped: %s", fatal[0])
     else:
