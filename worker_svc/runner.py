@@ -21,6 +21,7 @@ from pagewire_common.settings import Settings, check_all, default_of
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
 from worker_svc.nvtx import nvtx_range
 from worker_svc.plan_state import SeqState, SequenceStates
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
@@ -33,26 +34,7 @@ from worker_svc.weights import load_model
 
 log = logging.getLogger("pagewire.worker")
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}") from None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -60,8 +42,16 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+_RANK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_ranks_agree(tp: TensorParallel, dtype: torch.dtype) -> None:
+    """Ranks on different machines may resolve ``auto`` differently (one CPU with native bf16, one
+    without); their collectives need one dtype."""
+    code = _RANK_DTYPES.index(dtype)
+    if tp.size > 1 and tp.min_int(code) != -tp.min_int(-code):
+        raise ValueError("the tensor-parallel ranks resolved --dtype auto to different dtypes (their devices differ); "
+                         "pass --dtype explicitly")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +73,7 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         check_all(self, ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch"))
-        parse_dtype(self.dtype)
+        check_dtype_setting(self.dtype)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "RunnerConfig":
@@ -117,7 +107,11 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.tp = tp
         self.device = resolve_device(config.device)
-        self.dtype = parse_dtype(config.dtype)
+        choice = resolve_dtype(config.dtype, self.device, ModelConfig.from_pretrained(self.model_dir).checkpoint_dtype)
+        self.dtype = choice.dtype
+        if config.dtype == AUTO:
+            _check_ranks_agree(tp, self.dtype)
+        log.info("%s", choice.describe(config.dtype))
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
         if self.device.type == "cpu" and config.cpu_packed_linear:
             pack_linears_for_cpu(self.model)
