@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention
+from pagewire_common import cpu_features
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.settings import Settings, check_all, default_of
 from worker_svc.block_table import BlockTables
@@ -24,6 +25,7 @@ from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
 from worker_svc.nvtx import nvtx_range
 from worker_svc.plan_state import SeqState, SequenceStates
+from worker_svc.layers.cpu_bf16_linear import compute_bf16_model_in_fp32
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.logits_adjust import LogitsAdjuster
@@ -113,10 +115,8 @@ class ModelRunner:
             _check_ranks_agree(tp, self.dtype)
         log.info("%s", choice.describe(config.dtype))
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
-        if self.device.type == "cpu" and config.cpu_packed_linear:
-            pack_linears_for_cpu(self.model)
         if self.device.type == "cpu":
-            log.info("CPU attention: %s", prepare_cpu_attention(self.dtype))
+            self._prepare_cpu_model(config)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         # this rank's KV heads; every rank holds the same block ids, each for its own heads
@@ -156,6 +156,20 @@ class ModelRunner:
             "model runner: %s architecture, %s on %s, %d KV blocks of %d tokens, max model length %d",
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
+
+    def _prepare_cpu_model(self, config: RunnerConfig) -> None:
+        """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (layers.cpu_bf16_linear);
+        otherwise linear weights packed for oneDNN."""
+        compute_dtype = self.dtype
+        cpu = cpu_features.cpu_info()
+        if self.dtype == torch.bfloat16 and not cpu.native_bf16:
+            compute_dtype = torch.float32
+            linears = compute_bf16_model_in_fp32(self.model)
+            log.info("bf16 weights and KV cache, fp32 arithmetic: this CPU has no native bf16 (%s); linears: %s",
+                     cpu.isa or "unknown ISA", linears)
+        elif config.cpu_packed_linear:
+            pack_linears_for_cpu(self.model)
+        log.info("CPU attention: %s", prepare_cpu_attention(compute_dtype, self.dtype))
 
     def _grammar_masks(self) -> GrammarMasks | None:
         mc = self.model_config
