@@ -124,14 +124,15 @@ def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
 
 
 def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, H, D] -> out [T, H, D] over the paged cache (H a multiple of Hkv).
+    """query [T, H, D] -> out [T, H, D] over the paged cache (H a multiple of Hkv), in the query's
+    dtype. The cache may be bfloat16 under float32 queries (a bf16 model that computes in fp32).
 
     The dispatch point (see ``attention_backend``): the Triton kernel on CUDA, the C kernel
     (kvcache/cpu_kernels.py) for float32/bfloat16 on CPU, the torch reference otherwise.
     """
     if _use_triton(query):
         return _triton_kernels().paged_attention(query, kv_layer, meta, scale)
-    cpu = _cpu_kernel_for(query.device, query.dtype)
+    cpu = _cpu_kernel_for(query.device, query.dtype, kv_layer.dtype)
     if cpu is not None:
         # Decodes (and short chunks) in C; longer prefill chunks in torch's fused SDPA, whose
         # GEMM-shaped inner loops beat the kernel's per-query dot products from ~8 queries up.
@@ -174,18 +175,20 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     return backend == "triton"
 
 
-def prepare_cpu_attention(dtype: torch.dtype) -> str:
+def prepare_cpu_attention(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:
     """Build (or load) the C kernel now, at worker start, if the dispatch will use it for CPU
-    tensors of ``dtype``, instead of during the first request. Returns the CPU attention path:
-    ``"C kernel"`` or ``"torch reference"`` (or ``"triton"`` when forced)."""
+    queries of ``dtype`` over a cache of ``kv_dtype`` (default: the same), instead of during the
+    first request. Returns the CPU attention path: ``"C kernel"`` or ``"torch reference"`` (or
+    ``"triton"`` when forced)."""
     backend = attention_backend()
     if backend in ("torch", "triton"):
         return "torch reference" if backend == "torch" else "triton"
-    return "C kernel" if _cpu_kernel_for(torch.device("cpu"), dtype) is not None else "torch reference"
+    return "C kernel" if _cpu_kernel_for(torch.device("cpu"), dtype, kv_dtype) is not None else "torch reference"
 
 
-def _cpu_kernel_for(device: torch.device, dtype: torch.dtype) -> cpu_kernels.CpuKernels | None:
-    """The C kernel when the backend picks it for tensors on ``device`` of ``dtype``, else None."""
+def _cpu_kernel_for(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> cpu_kernels.CpuKernels | None:
+    """The C kernel when the backend picks it for queries on ``device`` of ``dtype`` over a cache of
+    ``kv_dtype`` (default: the same), else None."""
     backend = attention_backend()
     if backend == "torch" or device.type != "cpu":
         return None
@@ -193,10 +196,10 @@ def _cpu_kernel_for(device: torch.device, dtype: torch.dtype) -> cpu_kernels.Cpu
     if backend == "cpu":
         if cpu is None:
             raise RuntimeError("PAGEWIRE_ATTENTION_BACKEND=cpu, but the CPU attention kernel could not be built (see the log)")
-        if not cpu.supports(dtype):
+        if not cpu.supports(dtype, kv_dtype):
             raise ValueError(f"PAGEWIRE_ATTENTION_BACKEND=cpu takes float32 or bfloat16, got {dtype}")
         return cpu
-    return cpu if cpu is not None and cpu.supports(dtype) else None
+    return cpu if cpu is not None and cpu.supports(dtype, kv_dtype) else None
 
 
 def keep_triton_out() -> None:
@@ -238,7 +241,8 @@ _DECODE_GATHER_TOKENS = 1 << 16
 def paged_attention_ref(
     query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Plain torch paged attention; CPU-friendly, the production path without a GPU kernel.
+    """Plain torch paged attention; CPU-friendly, the production path without a GPU kernel. The
+    gathered K/V are cast to the query's dtype (a bfloat16 cache under float32 queries).
 
     Each sequence's queries are the last q_len positions of its context (seq_len - q_len .. seq_len - 1),
     causal inside the chunk; keys/values come from the cache through the block table (the step's own
@@ -296,7 +300,7 @@ def _chunk_attention(
     block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
-    kv = kv_layer.index_select(1, blocks).view(2, -1, num_kv_heads, head_dim)[:, :seq_len]  # [2, seq_len, Hkv, D]
+    kv = kv_layer.index_select(1, blocks).view(2, -1, num_kv_heads, head_dim)[:, :seq_len].to(query.dtype)  # [2, seq_len, Hkv, D]
     key, value = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [Hkv, seq_len, D]
     # 4-D with a batch of one: torch's fused CPU attention takes only 4-D inputs; 3-D ones (or GQA
     # on them) fall back to the math path, which was 2-3x slower for a chunk deep into a prompt.
@@ -330,7 +334,7 @@ def _decode_attention(
     lens = torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True)
     blocks = block_tables.index_select(0, seq_index)[:, :num_blocks].long().flatten()  # [S * nb]
     # Padding entries of a block table point at block 0: gathered, then masked, never used as context.
-    kv = kv_layer.index_select(1, blocks).view(2, num_seqs, padded_len, num_kv_heads, head_dim)
+    kv = kv_layer.index_select(1, blocks).view(2, num_seqs, padded_len, num_kv_heads, head_dim).to(query.dtype)
     key, value = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [S, Hkv, padded_len, D]
     valid = torch.arange(padded_len, device=device)[None, :] < lens[:, None]  # [S, padded_len]
     # GQA without repeating K/V: the group's query heads act as the query "length" of each KV head.

@@ -59,8 +59,8 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | None = None, **settings):
+        from worker_svc.dtypes import dtype_name
         from worker_svc.parallel.ranks import start_runner
-        from worker_svc.runner import dtype_name
         from worker_svc.weights import model_name, resolve_model_path
 
         unknown = sorted(set(settings) - SETTING_NAMES)

@@ -34,7 +34,7 @@ API = "api"
 PROCESS = "process"
 PUBLIC = "public"
 ALL_SCOPES = (WORKER, CORE, API, PROCESS, PUBLIC)
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 WORKER_KINDS = ("model", "null")
 
 
@@ -122,8 +122,10 @@ class Settings:
         None, "name reported by GetModelInfo and accepted in requests (default: the model's name)",
         scope=(WORKER,))
     dtype: str = _setting(
-        "float32", "weights and KV cache dtype (default: %(default)s)", scope=(WORKER,),
-        check=_one_of(DTYPES), choices=DTYPES)
+        "auto", "weights and KV cache dtype; auto: on CUDA the checkpoint's bfloat16 or float16 (a float32 "
+        "checkpoint runs in bfloat16, float16 on GPUs without bf16), on CPU bfloat16 where the CPU computes it "
+        "natively (avx512_bf16 or amx_bf16), else float32; the worker logs its pick (default: %(default)s)",
+        scope=(WORKER,), check=_one_of(DTYPES), choices=DTYPES)
     device: str | None = _setting(
         None, "torch device (default: cuda if available, else cpu)", scope=(WORKER,))
     block_size: int = _setting(

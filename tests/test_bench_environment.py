@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from pagewire.bench.report import ISA_LEVELS, cpu_info, environment
+from pagewire.bench.report import cpu_info, environment
+from pagewire_common.cpu_features import ISA_LEVELS
 
 AVX512_BF16_HOST = """\
 processor\t: 0

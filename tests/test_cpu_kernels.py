@@ -12,11 +12,11 @@ import shutil
 import pytest
 import torch
 
-from kvcache import cpu_kernels, paged
+from kvcache import cbuild, cpu_kernels, paged
 from kvcache.paged import paged_attention, paged_attention_ref
 from tests.test_paged import make_metadata
 
-pytestmark = pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,22 @@ def test_matches_reference_bf16(kernel, block_size):
     torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=8e-3)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_fp32_queries_over_a_bf16_cache_match_the_reference(kernel, block_size):
+    """A bf16 model computing in fp32 (CPUs without native bf16): the cache is the only rounding."""
+    query_lens, seq_lens = [1, 33, 1, 9, 1, 3], [700, 64, 129, 9, 1, 40]
+    query, kv, meta, scale = _batch(query_lens, seq_lens, block_size, 3, 3, torch.float32)
+    kv16 = kv.bfloat16()
+    expected = paged_attention_ref(query, kv16.float(), meta, scale)
+    out = kernel.paged_attention(query, kv16, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    # the dispatch: the kernel for short queries, SDPA over the cast cache for longer chunks
+    torch.testing.assert_close(paged_attention(query, kv16, meta, scale), expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(paged_attention_ref(query, kv16, meta, scale), expected, atol=2e-6, rtol=1e-5)
+    assert paged.prepare_cpu_attention(torch.float32, torch.bfloat16) == "C kernel"
+
+
 def test_shared_prefix_blocks_and_large_scores(kernel):
     """Two sequences reading the same prefix blocks; scores spread wide enough that the running
     max changes block after block (the rescaling path) and most weights underflow to 0."""
@@ -117,11 +133,12 @@ def test_loading_it_leaves_subnormals_alone(kernel):
 
 
 def test_build_is_cached_by_content(tmp_path):
-    compiler = cpu_kernels._compiler()
-    flags = cpu_kernels._FLAG_SETS[-1]
-    first = cpu_kernels._build(compiler, flags, tmp_path)
+    compiler = cbuild.compiler()
+    flags = cbuild.FLAG_SETS[-1]
+    source, abi = cpu_kernels._SOURCE, cpu_kernels._ABI
+    first = cbuild.build(source, compiler, flags, tmp_path, abi)
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernels._build(compiler, flags, tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert cbuild.build(source, compiler, flags, tmp_path, abi) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
 
 

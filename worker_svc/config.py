@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -50,6 +51,9 @@ class ModelConfig:
     hidden_act: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # the dtype the checkpoint was saved in (config.json's "torch_dtype", "dtype" in newer files);
+    # None when it does not say. ``--dtype auto`` follows it on CUDA (worker_svc.dtypes).
+    checkpoint_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -111,8 +115,11 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_token_ids = _token_ids(eos)
         if model_type == "gpt2":
-            return cls._from_gpt2(cfg, eos_token_ids)
-        return cls._from_llama_family(cfg, model_type, eos_token_ids)
+            config = cls._from_gpt2(cfg, eos_token_ids)
+        else:
+            config = cls._from_llama_family(cfg, model_type, eos_token_ids)
+        saved = cfg.get("torch_dtype") or cfg.get("dtype")
+        return dataclasses.replace(config, checkpoint_dtype=saved if isinstance(saved, str) else None)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:

@@ -31,8 +31,6 @@ log = logging.getLogger("pagewire.worker")
 # 1M tokens at the default block size: enough that admission is never limited by KV blocks, small
 # enough that the scheduler's allocator (a few flat lists of num_blocks ints) stays a few MiB.
 DEFAULT_NULL_KV_BLOCKS = 1 << 16
-# Bytes per element by dtype, to size the pretend cache from --kv-cache-memory as the real runner would.
-_DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
 # Text whose tokens make the fixed output cycle: ordinary words, so the scheduler's incremental
 # detokenizer does its usual work.
 _CYCLE_TEXT = " the quick brown fox jumps over the lazy dog and then it runs back home again"
@@ -43,14 +41,20 @@ class NullRunner:
     """Follows step plans like ``ModelRunner`` and returns fixed tokens without any model math."""
 
     def __init__(self, model_dir: str | Path, config=None):
-        from worker_svc.runner import RunnerConfig  # the same option type the real runner takes
+        # the real runner's options, device and dtype choice
+        from worker_svc.dtypes import dtype_name, resolve_dtype
+        from worker_svc.runner import RunnerConfig, resolve_device
 
         self.config = config = config or RunnerConfig()
         self.model_dir = Path(model_dir)
         self.model_config: ModelConfig = ModelConfig.from_pretrained(self.model_dir)
         mc = self.model_config
         self.device = "null"
-        self.dtype = _canonical_dtype(config.dtype)
+        # the dtype the real worker would pick here (``auto`` resolved the same way): it sizes the
+        # pretend cache from --kv-cache-memory and is what Info reports
+        choice = resolve_dtype(config.dtype, resolve_device(config.device), mc.checkpoint_dtype)
+        self.dtype = dtype_name(choice.dtype)
+        log.info("%s", choice.describe(config.dtype))
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
         # the real runner's block-table width: a longer table is a scheduler bug
@@ -58,7 +62,7 @@ class NullRunner:
         if config.num_kv_blocks is not None:
             self.num_kv_blocks = config.num_kv_blocks
         elif config.kv_cache_bytes is not None:
-            per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * _DTYPE_BYTES[self.dtype]
+            per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * choice.dtype.itemsize
             self.num_kv_blocks = config.kv_cache_bytes // per_block
             if self.num_kv_blocks < 1:
                 raise ValueError(
@@ -133,13 +137,6 @@ class NullRunner:
             seq_ids.append(all_seq_ids[i])
             token_ids.append(token)
         return result
-
-
-def _canonical_dtype(dtype) -> str:
-    name = str(dtype).removeprefix("torch.").lower()
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPE_BYTES)}")
-    return {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(name, name)
 
 
 def _token_cycle(model_dir: Path, mc: ModelConfig) -> list[int]:

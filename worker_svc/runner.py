@@ -16,13 +16,16 @@ import numpy as np
 import torch
 
 from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention
+from pagewire_common import cpu_features
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.settings import Settings, check_all, default_of
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
 from worker_svc.nvtx import nvtx_range
 from worker_svc.plan_state import SeqState, SequenceStates
+from worker_svc.layers.cpu_bf16_linear import compute_bf16_model_in_fp32
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.logits_adjust import LogitsAdjuster
@@ -33,26 +36,7 @@ from worker_svc.weights import load_model
 
 log = logging.getLogger("pagewire.worker")
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp32
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(set(_DTYPES))}") from None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -60,8 +44,16 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+_RANK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_ranks_agree(tp: TensorParallel, dtype: torch.dtype) -> None:
+    """Ranks on different machines may resolve ``auto`` differently (one CPU with native bf16, one
+    without); their collectives need one dtype."""
+    code = _RANK_DTYPES.index(dtype)
+    if tp.size > 1 and tp.min_int(code) != -tp.min_int(-code):
+        raise ValueError("the tensor-parallel ranks resolved --dtype auto to different dtypes (their devices differ); "
+                         "pass --dtype explicitly")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +75,7 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         check_all(self, ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch"))
-        parse_dtype(self.dtype)
+        check_dtype_setting(self.dtype)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "RunnerConfig":
@@ -117,12 +109,14 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.tp = tp
         self.device = resolve_device(config.device)
-        self.dtype = parse_dtype(config.dtype)
+        choice = resolve_dtype(config.dtype, self.device, ModelConfig.from_pretrained(self.model_dir).checkpoint_dtype)
+        self.dtype = choice.dtype
+        if config.dtype == AUTO:
+            _check_ranks_agree(tp, self.dtype)
+        log.info("%s", choice.describe(config.dtype))
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
-        if self.device.type == "cpu" and config.cpu_packed_linear:
-            pack_linears_for_cpu(self.model)
         if self.device.type == "cpu":
-            log.info("CPU attention: %s", prepare_cpu_attention(self.dtype))
+            self._prepare_cpu_model(config)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         # this rank's KV heads; every rank holds the same block ids, each for its own heads
@@ -162,6 +156,20 @@ class ModelRunner:
             "model runner: %s architecture, %s on %s, %d KV blocks of %d tokens, max model length %d",
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
+
+    def _prepare_cpu_model(self, config: RunnerConfig) -> None:
+        """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (layers.cpu_bf16_linear);
+        otherwise linear weights packed for oneDNN."""
+        compute_dtype = self.dtype
+        cpu = cpu_features.cpu_info()
+        if self.dtype == torch.bfloat16 and not cpu.native_bf16:
+            compute_dtype = torch.float32
+            linears = compute_bf16_model_in_fp32(self.model)
+            log.info("bf16 weights and KV cache, fp32 arithmetic: this CPU has no native bf16 (%s); linears: %s",
+                     cpu.isa or "unknown ISA", linears)
+        elif config.cpu_packed_linear:
+            pack_linears_for_cpu(self.model)
+        log.info("CPU attention: %s", prepare_cpu_attention(compute_dtype, self.dtype))
 
     def _grammar_masks(self) -> GrammarMasks | None:
         mc = self.model_config

@@ -150,8 +150,9 @@ def serve(settings, listen: str | None) -> int:
             raise ValueError("--listen is required (only a rank other than 0 runs without it)")
         check_address_free(listen)  # before torch and the model load: a taken address is one line, at once
     from kvcache.paged import keep_triton_out
+    from worker_svc.dtypes import dtype_name
     from worker_svc.parallel.ranks import run_rank, start_runner
-    from worker_svc.runner import RunnerConfig, dtype_name, resolve_device
+    from worker_svc.runner import RunnerConfig, resolve_device
     from worker_svc.weights import model_name, resolve_model_path
 
     if resolve_device(settings.device).type != "cuda":

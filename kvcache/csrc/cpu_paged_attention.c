@@ -53,9 +53,9 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* Returns 0 on success, a negative code when the metadata is inconsistent (checked before any
  * work, so nothing is written on error). */
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE)                                                        \
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, KVT, KV_LOAD)                                          \
 int NAME(const T *query,            /* [num_tokens, H, D] */                                               \
-         const T *kv,               /* [2, num_blocks, block_size, Hkv, D] */                              \
+         const KVT *kv,             /* [2, num_blocks, block_size, Hkv, D] */                              \
          T *out,                    /* [num_tokens, H, D] */                                               \
          const int32_t *query_start_loc, /* [S + 1] */                                                     \
          const int32_t *seq_lens,   /* [S] */                                                              \
@@ -116,16 +116,16 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
             memset(acc, 0, sizeof(float) * group * head_dim);                                              \
             for (int64_t start = 0; start <= pos; start += block_size) {                                   \
                 const int64_t n = (pos + 1 - start) < block_size ? (pos + 1 - start) : block_size;         \
-                const T *kb = kv + ((int64_t)table[start / block_size] * block_size) * row + h * head_dim; \
-                const T *vb = kb + kv_half;                                                                \
+                const KVT *kb = kv + ((int64_t)table[start / block_size] * block_size) * row + h * head_dim; \
+                const KVT *vb = kb + kv_half;                                                              \
                 for (int64_t g = 0; g < group; g++) {                                                      \
                     const float *qg = q + g * head_dim;                                                    \
                     float m = mx[g];                                                                       \
                     for (int64_t j = 0; j < n; j++) {                                                      \
-                        const T *k = kb + j * row;                                                         \
+                        const KVT *k = kb + j * row;                                                       \
                         float dot = 0.0f;                                                                  \
                         _Pragma("omp simd reduction(+:dot)")                                               \
-                        for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * LOAD(k[d]);                 \
+                        for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * KV_LOAD(k[d]);              \
                         sc[g * block_size + j] = dot;                                                      \
                         m = dot > m ? dot : m;                                                             \
                     }                                                                                      \
@@ -142,9 +142,9 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
                     }                                                                                      \
                     for (int64_t j = 0; j < n; j++) {                                                      \
                         const float p = pg[j];                                                             \
-                        const T *v = vb + j * row;                                                         \
+                        const KVT *v = vb + j * row;                                                       \
                         _Pragma("omp simd")                                                                \
-                        for (int64_t d = 0; d < head_dim; d++) ag[d] += p * LOAD(v[d]);                    \
+                        for (int64_t d = 0; d < head_dim; d++) ag[d] += p * KV_LOAD(v[d]);                 \
                     }                                                                                      \
                     sum[g] = l;                                                                            \
                 }                                                                                          \
@@ -166,8 +166,12 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
 #define LOAD_BF16(x) bf16_to_f32(x)
 #define STORE_BF16(x) f32_to_bf16(x)
 
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16)
+/* (query and output, cache) */
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32, float, LOAD_F32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16, uint16_t, LOAD_BF16)
+/* fp32 activations over a bf16 cache: a bf16 model on a CPU without native bf16 (the worker's
+ * layers/cpu_bf16_linear.py) */
+DEFINE_PAGED_ATTENTION(paged_attention_f32_bf16kv, float, LOAD_F32, STORE_F32, uint16_t, LOAD_BF16)
 
 /* The ABI version kvcache/cpu_kernels.py expects; bump it when a signature changes. */
-int pagewire_cpu_kernels_abi(void) { return 2; }
+int pagewire_cpu_kernels_abi(void) { return 3; }

@@ -65,7 +65,7 @@ class HFBaselines:
         from transformers.utils import logging as hf_logging
 
         from worker_svc.config import ModelConfig
-        from worker_svc.runner import parse_dtype
+        from worker_svc.dtypes import parse_dtype
 
         self.options = o = options
         self.torch = torch

@@ -33,7 +33,16 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagewire.bench.metrics import FIGURES, RequestRecord, RunMetrics, compare, e2e_latency, inter_token_latencies, ttft
+from pagewire.bench.metrics import (
+    FIGURES,
+    RequestRecord,
+    RunMetrics,
+    compare,
+    e2e_latency,
+    inter_token_latencies,
+    ttft,
+)
+from pagewire_common import cpu_features
 
 JSON_SCHEMA_VERSION = 1
 OURS = "pagewire"
@@ -145,41 +154,21 @@ def summary_text(results: list[EngineResult], header: list[str]) -> str:
 # ---- JSON ------------------------------------------------------------------------------------
 
 
-# SIMD levels that decide CPU inference speed (x86 flags, then Arm features), best first: the same
-# command gives very different figures on an avx512_bf16 host and an avx2-only one, so every JSON says which.
-ISA_LEVELS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "avx", "sve", "asimd")
-
-
 def cpu_info(cpuinfo: str | None = None) -> dict:
     """This machine's CPU: ``cpu_model`` ("model name"; None where /proc/cpuinfo has none, as on
-    Arm), ``cpu_isa`` (the best of ``ISA_LEVELS`` it has, or None), ``cpu_isa_flags`` (every one of
+    Arm), ``cpu_isa`` (the best of ``ISA_LEVELS`` it has, or None: the same command gives very
+    different figures on an avx512_bf16 host and an avx2-only one), ``cpu_isa_flags`` (every one of
     ``ISA_LEVELS`` it has, best first), ``cpu_cores_usable`` (cores this process may run on).
     ``cpuinfo``: the text of /proc/cpuinfo, read here when None (empty where there is none)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    model = None
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip()
-        if key == "model name" and model is None:
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:  # x86 / Arm
-            flags = set(value.split())
-    have = [isa for isa in ISA_LEVELS if isa in flags]
+    cpu = cpu_features.cpu_info() if cpuinfo is None else cpu_features.parse_cpuinfo(cpuinfo)
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         usable = os.cpu_count()
     return {
-        "cpu_model": model,
-        "cpu_isa": have[0] if have else None,
-        "cpu_isa_flags": have,
+        "cpu_model": cpu.model,
+        "cpu_isa": cpu.isa,
+        "cpu_isa_flags": cpu.isa_flags,
         "cpu_cores_usable": usable,
     }
 

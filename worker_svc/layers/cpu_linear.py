@@ -16,7 +16,7 @@ from torch import nn
 log = logging.getLogger("pagewire.worker")
 
 
-def _mkldnn_linear_available() -> bool:
+def mkldnn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
@@ -58,7 +58,7 @@ def pack_linears_for_cpu(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` in ``model`` with a :class:`PackedLinear`; returns how many.
     The model's output head (``lm_head_weight()``, tied or not) gets ``packed_lm_head``. No-op off CPU or when
     oneDNN is unavailable (then 0)."""
-    if not _mkldnn_linear_available():
+    if not mkldnn_linear_available():
         return 0
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):

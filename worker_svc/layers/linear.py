@@ -111,13 +111,15 @@ class RowParallelLinear(nn.Linear):
             raise ValueError(f"shape mismatch for {param_name}: checkpoint {tuple(source.shape)}, expected {expected}")
         param.copy_(source.narrow(1, self.tp.rank * self.in_features, self.in_features))
 
-    def packed(self) -> nn.Module:
-        """This layer with its weight prepacked for oneDNN (``layers.cpu_linear``)."""
+    def packed(self, make_linear=None) -> nn.Module:
+        """This layer with its weight repacked by ``make_linear(weight, bias)`` (default: for oneDNN,
+        ``layers.cpu_linear.PackedLinear``); the all-reduce and the bias stay around it."""
         from worker_svc.layers.cpu_linear import PackedLinear, PackedRowParallel
 
+        make_linear = make_linear or PackedLinear
         if self.tp.size == 1:
-            return PackedLinear(self.weight, self.bias)
-        return PackedRowParallel(PackedLinear(self.weight, None), self.bias, self.tp)
+            return make_linear(self.weight, self.bias)
+        return PackedRowParallel(make_linear(self.weight, None), self.bias, self.tp)
 
 
 def _copy_whole(param: torch.Tensor, source: WeightSource, name: str) -> None:

@@ -28,13 +28,16 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.rows_per_rank
         self.num_rows = max(0, min(self.rows_per_rank, num_embeddings - self.start))  # real (unpadded) rows
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim))
+        # the dtype of the hidden states it returns; None: the table's. A bf16 table on a CPU
+        # without native bf16 returns fp32 (layers.cpu_bf16_linear).
+        self.output_dtype: torch.dtype | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).to(self.output_dtype or self.weight.dtype)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).to(self.output_dtype or self.weight.dtype)  # [T, hidden]
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
