@@ -66,7 +66,7 @@ class LLM:
         unknown = sorted(set(settings) - SETTING_NAMES)
         if unknown:
             raise TypeError(f"LLM() got unknown settings {unknown}; see pagewire_common.settings.Settings")
-        self.settings = Settings(model=None if model is None else str(model), **settings)
+        self.settings = Settings.from_kwargs(model=None if model is None else str(model), **settings)
         self.model_dir = resolve_model_path(model)
         self.runner = start_runner(self.model_dir, self.settings)
         # the other ranks stop with this object, or at the latest when the interpreter exits

@@ -48,6 +48,7 @@ def event_loop() -> str:
 
 
 API_KEY_ENV = "PAGEWIRE_API_KEY"
+DTYPE_ENV = "PAGEWIRE_DTYPE"  # the default --dtype (tests pin float32 with it)
 PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
 PARENT_RUN_DIR_ENV = "PAGEWIRE_PARENT_RUN_DIR"
 

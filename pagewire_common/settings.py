@@ -124,8 +124,9 @@ class Settings:
     dtype: str = _setting(
         "auto", "weights and KV cache dtype; auto: on CUDA the checkpoint's bfloat16 or float16 (a float32 "
         "checkpoint runs in bfloat16, float16 on GPUs without bf16), on CPU bfloat16 where the CPU computes it "
-        "natively (avx512_bf16 or amx_bf16), else float32; the worker logs its pick (default: %(default)s)",
-        scope=(WORKER,), check=_one_of(DTYPES), choices=DTYPES)
+        "natively (avx512_bf16 or amx_bf16), else float32; the worker logs its pick; the environment variable "
+        "PAGEWIRE_DTYPE changes the default (default: %(default)s)",
+        scope=(WORKER,), check=_one_of(DTYPES), choices=DTYPES, env=envs.DTYPE_ENV)
     device: str | None = _setting(
         None, "torch device (default: cuda if available, else cpu)", scope=(WORKER,))
     block_size: int = _setting(
@@ -260,6 +261,16 @@ class Settings:
         """The environment variables that hand a child the secret settings of ``scopes``."""
         return {f.metadata["env"]: getattr(self, f.name) for f in _fields(scopes)
                 if f.metadata["secret"] and getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_kwargs(cls, **given) -> "Settings":
+        """Settings from Python keyword arguments (``pagewire.LLM``): a setting not given takes its
+        default from its environment variable where it has one, as its flag does."""
+        for f in dataclasses.fields(cls):
+            env = f.metadata.get("env")
+            if env and f.name not in given and not f.metadata["secret"] and envs.read(env):
+                given[f.name] = envs.read(env)
+        return cls(**given)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> "Settings":

@@ -3,9 +3,16 @@ SmolLM2 (converted once from its GGUF)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.tiny_models import get_tiny_model
+
+# The tests compare with transformers in float32 on every host; ``--dtype auto`` would pick
+# bfloat16 on a CPU with native bf16. This is the default of every command and of LLM() in this
+# process and its children; tests of ``auto`` itself resolve it explicitly.
+os.environ.setdefault("PAGEWIRE_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,13 @@ flags, configs and the bench's pass-through all derive from it."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
 
 from pagewire.cli import build_parser
-from pagewire_common.settings import ALL_SCOPES, API, CORE, PROCESS, PUBLIC, WORKER, Settings, flag_of
+from pagewire_common.settings import ALL_SCOPES, API, CORE, PROCESS, PUBLIC, WORKER, Settings, add_arguments, flag_of
 from scheduler_svc.config import SchedulerConfig
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -37,7 +38,8 @@ def test_every_setting_has_help_a_scope_and_a_sample():
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
-def test_each_command_has_the_flags_of_its_scopes_with_the_declared_defaults(command):
+def test_each_command_has_the_flags_of_its_scopes_with_the_declared_defaults(command, monkeypatch):
+    monkeypatch.delenv("PAGEWIRE_DTYPE", raising=False)  # conftest pins float32 for the other tests
     parser = build_parser()
     args = parser.parse_args([command, *REQUIRED.get(command, [])])
     scopes = COMMANDS[command]
@@ -157,3 +159,17 @@ def test_the_bench_passes_every_engine_setting_through():
     served = Settings.from_args(parser.parse_args(cmd[cmd.index("--log-level"):]))
     for name in passed:
         assert getattr(served, name) == SAMPLE[name], name
+
+
+def test_pagewire_dtype_sets_the_default_dtype_of_every_command_and_of_llm(monkeypatch):
+    monkeypatch.setenv("PAGEWIRE_DTYPE", "bfloat16")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, (WORKER,))
+    assert parser.parse_args([]).dtype == "bfloat16"
+    assert parser.parse_args(["--dtype", "float32"]).dtype == "float32"  # a flag wins
+    assert Settings.from_kwargs().dtype == "bfloat16"
+    assert Settings.from_kwargs(dtype="float32").dtype == "float32"  # an argument wins
+    assert Settings().dtype == "auto"  # the declared default itself is unchanged
+    monkeypatch.setenv("PAGEWIRE_DTYPE", "int4")
+    with pytest.raises(ValueError, match="dtype"):
+        Settings.from_kwargs()
