@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
 
 from kvcache.cpu_kernels import kernels
 from kvcache.paged import AttentionMetadata, paged_attention_ref
+from pagewire.bench.timing import best_us
 
 BLOCK, KV_HEADS, GROUP, HEAD_DIM = 16, 3, 3, 64  # SmolLM2-135M's attention shape
 
@@ -51,17 +51,6 @@ def make_step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, rn
     return query, kv, meta
 
 
-def best_us(fn, loops: int, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        best = min(best, (time.perf_counter() - t) / loops)
-    return best * 1e6
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
@@ -87,11 +76,11 @@ def main() -> None:
             scale = HEAD_DIM**-0.5
             ref = lambda: paged_attention_ref(query, kv, meta, scale)  # noqa: E731
             ker = lambda: cpu.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)  # noqa: E731
-            loops = max(5, int(20000 / max(50.0, best_us(ref, 1, 1))))
+            loops = max(5, int(20000 / max(50.0, best_us(ref, 1, loops=1))))
             ref_t, ker_t = float("inf"), float("inf")
             for _ in range(2):  # alternate
-                ref_t = min(ref_t, best_us(ref, loops, args.repeats))
-                ker_t = min(ker_t, best_us(ker, loops, args.repeats))
+                ref_t = min(ref_t, best_us(ref, args.repeats, loops=loops))
+                ker_t = min(ker_t, best_us(ker, args.repeats, loops=loops))
             print(f"{str(dtype).removeprefix('torch.'):9s} {name:40s} {ref_t:15.0f} {ker_t:14.0f} {ref_t / ker_t:7.2f}x")
 
 

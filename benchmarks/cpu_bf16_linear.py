@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 
+from pagewire.bench.timing import best_us
 from pagewire_common.cpu_features import cpu_info
 from worker_svc.layers.cpu_bf16_linear import bf16_linear_ref, kernel
 
@@ -31,20 +31,6 @@ SHAPES = {
     "down_proj 1536->576": (576, 1536),
     "lm_head 576->49152": (49152, 576),
 }
-
-
-def best_us(fn, repeats: int, budget_s: float = 0.05) -> float:
-    fn()
-    t = time.perf_counter()
-    fn()
-    loops = max(1, int(budget_s / max(time.perf_counter() - t, 1e-6)))
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        best = min(best, (time.perf_counter() - t) / loops)
-    return best * 1e6
 
 
 def main() -> None:
