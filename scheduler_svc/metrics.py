@@ -89,12 +89,16 @@ class RequestMetrics:
         self.ttft.observe(seconds)
 
     def tokens(self, n: int, seconds_since_last: float | None) -> None:
-        """``n`` tokens arrived together; the first delta has no previous one."""
+        """``n`` tokens arrived together; the first delta has no previous one. Every token after a
+        request's first is one inter-token latency, however the tokens were grouped: the tokens
+        that came with the first took no time after it."""
         self.generation.inc(n)
-        if seconds_since_last is not None:
+        if seconds_since_last is None:
+            each, n = 0.0, n - 1
+        else:
             each = seconds_since_last / n
-            for _ in range(n):
-                self.itl.observe(each)
+        for _ in range(n):
+            self.itl.observe(each)
 
     def finished(self, reason: str, seconds: float) -> None:
         self.e2e.observe(seconds)
