@@ -81,7 +81,7 @@ class ApiClient:
         self.peer = peer
         self.rids: dict[int, str] = {}  # rid -> the core's request key
         self.ready = False  # it knows the model and serves clients
-        self.num_outputs_sent = 0  # CoreOutput messages with tokens sent on this stream...
+        self.num_outputs_sent = 0  # CoreOutput messages with tokens sent in this session...
         self.num_outputs_done = 0  # ...and how many of them the API server has handed on
         self.unresponsive = False  # behind for longer than BACKPRESSURE_TIMEOUT_S: not waited for
         self.outbox = Outbox()
@@ -295,7 +295,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self._wake.set()
 
     def apply(self, client: ApiClient, msg: core_pb2.CoreRequests) -> None:
-        """Add, abort and stop requests of ``client`` (errors go back on its stream now)."""
+        """Add, abort and stop requests of ``client`` (errors go back in its session now)."""
         if msg.num_rejected:
             self.num_rejected += msg.num_rejected
         if msg.ready:
