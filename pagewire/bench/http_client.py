@@ -2,8 +2,12 @@
 streamed ``POST /v1/completions`` (server-sent events), one connection per stream as HTTP/1.1
 needs (the kernel spreads the connections over the API servers, as it does gRPC's).
 
-Each chunk carries its token ids (``return_token_ids``), so token arrivals are counted exactly as
-over gRPC, and the last chunk the usage (``stream_options.include_usage``).
+Each chunk of a pagewire server carries its token ids (``return_token_ids``), so token arrivals are
+counted exactly as over gRPC, and the last chunk the usage (``stream_options.include_usage``). A
+server that sends no token ids (llama.cpp's llama-server, an OpenAI endpoint) streams a chunk per
+token: there a chunk with text counts as one token and one without (the closing chunk) as none,
+and the usage says whether that matched (``RequestRecord.num_received_tokens`` against
+``completion_tokens``).
 """
 
 from __future__ import annotations
@@ -49,8 +53,18 @@ def completion_body(req: pb.GenerateRequest, model: str) -> dict:
     return body
 
 
+def chunk_tokens(choice: dict) -> int:
+    """How many tokens one streamed choice delivered: its token ids when it has them, else one per
+    chunk with text (servers that send no ids stream a token per chunk; the closing chunk has none)."""
+    ids = choice.get("token_ids")
+    if ids is not None:
+        return len(ids)
+    return 1 if choice.get("text") else 0
+
+
 class HttpClient:
-    """An asyncio client of one pagewire server's OpenAI door at ``base_url`` (http://HOST:PORT)."""
+    """An asyncio client of one OpenAI-compatible completions server at ``base_url`` (http://HOST:PORT):
+    a pagewire server's OpenAI door, or another server on the same requests (llama-server)."""
 
     def __init__(self, base_url: str):
         self.base_url = base_url.rstrip("/")
@@ -126,7 +140,7 @@ class HttpClient:
                                 break
                             if chunk["choices"]:
                                 times.append(now)
-                                counts.append(len(chunk["choices"][0].get("token_ids", ())))
+                                counts.append(chunk_tokens(chunk["choices"][0]))
                             if chunk.get("usage"):
                                 u = chunk["usage"]
                                 rec.prompt_tokens = u["prompt_tokens"]
