@@ -69,7 +69,8 @@ def test_server_command_gives_a_slot_per_stream_and_the_context_they_need():
                           parallel=32, ctx_per_slot=144)
     assert argv == ["/c/llama-server", "--model", "/c/m.gguf", "--host", "127.0.0.1", "--port", "8123",
                     "--threads", "2", "--threads-batch", "2", "--parallel", "32", "--cont-batching",
-                    "--ctx-size", "4608", "--no-webui"]
+                    "--ctx-size", "8192", "--no-webui"]  # 144 tokens a slot, padded to 256 as llama.cpp would
+    assert server_command(Path("b"), Path("m"), host="h", port=1, threads=1, parallel=4, ctx_per_slot=512)[-2] == "2048"
 
 
 def test_build_is_native_cpu_only_and_fetches_nothing():

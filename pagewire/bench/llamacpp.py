@@ -55,6 +55,8 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DGGML_CCACHE=OFF",
 )
+# llama.cpp pads each slot's share of the context to a multiple of this many tokens
+SLOT_CTX_ALIGN = 256
 # Python modules the converter imports, and the pip package that gives each
 CONVERTER_MODULES = {"torch": "torch", "transformers": "transformers", "numpy": "numpy", "yaml": "pyyaml",
                      "sentencepiece": "sentencepiece", "tqdm": "tqdm", "requests": "requests"}
@@ -112,12 +114,14 @@ def parse_configs(text: str) -> list[ServerConfig]:
 def server_command(binary: Path, gguf: Path, *, host: str, port: int, threads: int, parallel: int,
                    ctx_per_slot: int) -> list[str]:
     """llama-server for ``parallel`` concurrent streams: that many slots, continuous batching over
-    them, each slot with ``ctx_per_slot`` tokens of context (``-c`` is the total, split among the
-    slots), ``threads`` threads for decoding and for prompts."""
+    them, each slot with at least ``ctx_per_slot`` tokens of context (``--ctx-size`` is the total,
+    split among the slots, each share padded by llama.cpp to a multiple of ``SLOT_CTX_ALIGN``),
+    ``threads`` threads for decoding and for prompts."""
+    slot = -(-ctx_per_slot // SLOT_CTX_ALIGN) * SLOT_CTX_ALIGN
     return [
         str(binary), "--model", str(gguf), "--host", host, "--port", str(port),
         "--threads", str(threads), "--threads-batch", str(threads),
-        "--parallel", str(parallel), "--cont-batching", "--ctx-size", str(parallel * ctx_per_slot),
+        "--parallel", str(parallel), "--cont-batching", "--ctx-size", str(parallel * slot),
         "--no-webui",
     ]
 
