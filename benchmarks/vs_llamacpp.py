@@ -129,7 +129,7 @@ def check_records(name: str, result: LoadResult, prompt_len: int, max_new_tokens
             raise BenchError(f"{name}: request {i} {problem}")
 
 
-async def drive(base_url: str, warmup, requests, concurrency: int, ready_timeout: float) -> tuple[str, LoadResult]:
+async def measure(base_url: str, warmup, requests, concurrency: int, ready_timeout: float) -> tuple[str, LoadResult]:
     """Wait for the server, warm it up, run the workload; (served model name, the measured run)."""
     client = HttpClient(base_url)
     try:
@@ -167,7 +167,7 @@ def run_config(config: ServerConfig, args, ggufs, binary, warmup, requests) -> d
     load = os.getloadavg()
     server, base_url = start_server(config, args, ggufs, binary)
     try:
-        model, result = eventloop.run(drive(base_url, warmup, requests, args.concurrency, args.ready_timeout))
+        model, result = eventloop.run(measure(base_url, warmup, requests, args.concurrency, args.ready_timeout))
     finally:
         code = server.stop()
     if code not in (0, None, -15):
