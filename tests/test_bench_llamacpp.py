@@ -179,21 +179,29 @@ def test_word_prompts_say_when_the_vocabulary_is_too_small():
 
 
 def test_chunk_tokens():
-    assert chunk_tokens({"text": "ab", "token_ids": [1, 2]}) == 2
-    assert chunk_tokens({"text": "", "token_ids": [7]}) == 1  # a token with no text (a special one)
-    assert chunk_tokens({"text": " the"}) == 1
-    assert chunk_tokens({"text": "", "finish_reason": "length"}) == 0
+    def chunk(text, **more):
+        return {"choices": [{"text": text, "index": 0, **more}]}
+
+    assert chunk_tokens(chunk("ab", token_ids=[1, 2]), 5) == 2
+    assert chunk_tokens(chunk("", token_ids=[7]), 5) == 1  # a token with no text (a special one)
+    # llama-server with timings_per_token: the running count, whatever the text
+    assert chunk_tokens(chunk("") | {"timings": {"predicted_n": 6}}, 5) == 1
+    assert chunk_tokens(chunk("é") | {"timings": {"predicted_n": 7}}, 5) == 2
+    assert chunk_tokens(chunk("", finish_reason="length") | {"timings": {"predicted_n": 7}}, 7) == 0
+    # neither: a token per chunk with text
+    assert chunk_tokens(chunk(" the"), 5) == 1
+    assert chunk_tokens(chunk("", finish_reason="length"), 5) == 0
 
 
 def _sse(*chunks) -> bytes:
     return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
-async def _serve_and_run(chunks: list[dict], bodies: list[dict]):
+async def _serve_and_run(chunks: list[dict], bodies: list[dict], extra_body: dict | None = None, **client_options):
     from aiohttp import web
 
     async def completions(request):
-        bodies.append(await request.json())
+        bodies.append(await request.json() | {"connection header": request.headers.get("Connection")})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(_sse(*chunks))
@@ -205,7 +213,7 @@ async def _serve_and_run(chunks: list[dict], bodies: list[dict]):
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
-    client = HttpClient(f"http://127.0.0.1:{port}")
+    client = HttpClient(f"http://127.0.0.1:{port}", extra_body, **client_options)
     try:
         requests = build_requests([" tree river", " stone cloud"], make_sampling(max_tokens=3, ignore_eos=True))
         return await client.run(requests, model="m", concurrency=2)
@@ -214,19 +222,37 @@ async def _serve_and_run(chunks: list[dict], bodies: list[dict]):
         await runner.cleanup()
 
 
-def test_a_chunk_per_token_without_ids_is_counted_as_llama_server_streams_it():
+def test_llama_servers_running_count_counts_every_token():
+    """As llama-server streams with timings_per_token: a chunk per complete piece of text, none for a
+    token that ends inside a UTF-8 character, an empty one for a special token, a closing one."""
+    usage = {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    chunks = [{"choices": [{"text": text, "index": 0, "finish_reason": None}], "timings": {"predicted_n": n}}
+              for text, n in ((" a", 1), ("é", 3), ("", 4))]
+    chunks.append({"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "usage": usage,
+                   "timings": {"predicted_n": 4}})
+    bodies: list[dict] = []
+    result = asyncio.run(_serve_and_run(chunks, bodies, {"timings_per_token": True}, keep_alive=False))
+    for rec in result.records:
+        assert rec.ok
+        assert rec.arrival_counts == [1, 2, 1, 0]
+        assert rec.num_received_tokens == rec.completion_tokens == 4
+        assert rec.prompt_tokens == 2
+    assert sorted(b["prompt"] for b in bodies) == [" stone cloud", " tree river"]
+    for b in bodies:
+        assert b["timings_per_token"] is True
+        assert b["connection header"] == "close"  # keep_alive=False: a connection per request
+        assert b["max_tokens"] == 3 and b["ignore_eos"] is True and b["stream"] is True
+
+
+def test_a_chunk_per_token_without_ids_or_counts():
     usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     chunks = [{"choices": [{"text": t, "index": 0, "finish_reason": None}]} for t in (" a", " b", " c")]
     chunks.append({"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "usage": usage})
     bodies: list[dict] = []
     result = asyncio.run(_serve_and_run(chunks, bodies))
-    for rec in result.records:
-        assert rec.ok
-        assert rec.arrival_counts == [1, 1, 1, 0]
-        assert rec.num_received_tokens == rec.completion_tokens == 3
-        assert rec.prompt_tokens == 2
-    assert sorted(b["prompt"] for b in bodies) == [" stone cloud", " tree river"]
-    assert all(b["max_tokens"] == 3 and b["ignore_eos"] is True and b["stream"] is True for b in bodies)
+    assert [rec.arrival_counts for rec in result.records] == [[1, 1, 1, 0], [1, 1, 1, 0]]
+    assert "timings_per_token" not in bodies[0]
+    assert bodies[0]["connection header"] != "close"
 
 
 def test_token_ids_count_when_a_chunk_carries_several():
