@@ -19,7 +19,9 @@ section "7. Against llama.cpp's server on CPU".
    request must come back with exactly --prompt-len prompt tokens and --max-new-tokens tokens, by
    the server's usage and by the chunks counted at the client, or the script stops.
 4. A table on stdout, and --json with every run, the pooled figures, each server's command line
-   and ``pagewire.bench.report.environment()`` (CPU model and ISA).
+   and ``pagewire.bench.report.environment()`` (CPU model and ISA). Each run also reports how many
+   cores' worth of CPU other processes took while it ran (from /proc): on a shared machine a run
+   that lost CPU to others says so.
 
 Needs cmake and a C/C++ compiler (unless --llama-server), PyPI for the first download, and the
 converter's Python packages in this Python: torch, transformers, numpy, pyyaml, and sentencepiece
@@ -50,13 +52,15 @@ from pagewire.bench.llamacpp import (
 from pagewire.bench.loadgen import LoadResult, build_requests, run_rng, word_prompts
 from pagewire.bench.metrics import RunMetrics, pooled_metrics, run_metrics
 from pagewire.bench.report import cpu_info, environment, write_json
-from pagewire.bench.server import BenchError, ServedServer, free_port
+from pagewire.bench.server import BenchError, ServedServer, descendant_pids, free_port
 from pagewire.client import make_sampling
 from pagewire_common import eventloop
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings
 
 HOST = "127.0.0.1"
 WARMUP_TOKENS = 8
+# warn when processes other than the client and the server took this many cores during a run
+OTHERS_WARNING_CORES = 0.1
 # llama-server sends no token ids; with this, every chunk carries its running count of generated
 # tokens, which the client counts by (a chunk may hold no text, or the text of two tokens)
 LLAMA_EXTRA_BODY = {"timings_per_token": True}
@@ -132,16 +136,56 @@ def check_records(name: str, result: LoadResult, prompt_len: int, max_new_tokens
             raise BenchError(f"{name}: request {i} {problem}")
 
 
-async def measure(base_url: str, extra_body: dict, warmup, requests, concurrency: int,
-                  ready_timeout: float) -> tuple[str, LoadResult]:
-    """Wait for the server, warm it up, run the workload; (served model name, the measured run)."""
+def busy_cpu_seconds() -> float:
+    """CPU time this machine has spent busy since boot, all cores (/proc/stat; steal counts as busy:
+    the hypervisor gave the core to someone else)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes (all their threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                total += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+        except OSError:  # gone
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """CPU time that processes other than this one and the server's took while a run went on: on a
+    shared machine, what the figures lost to others."""
+
+    def __init__(self, server_pid: int):
+        self.server_pid = server_pid
+
+    def _ours(self) -> float:
+        return process_cpu_seconds([os.getpid(), self.server_pid, *descendant_pids(self.server_pid)])
+
+    def start(self) -> None:
+        self.busy0, self.ours0 = busy_cpu_seconds(), self._ours()
+
+    def stop(self) -> float:
+        return max(0.0, busy_cpu_seconds() - self.busy0 - (self._ours() - self.ours0))
+
+
+async def measure(base_url: str, extra_body: dict, warmup, requests, concurrency: int, ready_timeout: float,
+                  other: OtherLoad) -> tuple[str, LoadResult, float]:
+    """Wait for the server, warm it up, run the workload; (served model name, the measured run, CPU
+    seconds others took during it)."""
     # a connection per request, for both servers: reusing kept-alive connections to llama-server
     # failed now and then (a request written on a connection the server had closed)
     client = HttpClient(base_url, extra_body, keep_alive=False)
     try:
         model = await client.wait_ready(ready_timeout)
         await client.run(warmup, model=model, concurrency=concurrency)
-        return model, await client.run(requests, model=model, concurrency=concurrency)
+        other.start()
+        result = await client.run(requests, model=model, concurrency=concurrency)
+        return model, result, other.stop()
     finally:
         await client.close()
 
@@ -174,8 +218,8 @@ def run_config(config: ServerConfig, args, ggufs, binary, warmup, requests) -> d
     server, base_url = start_server(config, args, ggufs, binary)
     try:
         extra_body = LLAMA_EXTRA_BODY if config.engine == "llama" else {}
-        model, result = eventloop.run(measure(base_url, extra_body, warmup, requests, args.concurrency,
-                                              args.ready_timeout))
+        model, result, other_cpu = eventloop.run(measure(base_url, extra_body, warmup, requests, args.concurrency,
+                                                         args.ready_timeout, OtherLoad(server.proc.pid)))
     finally:
         code = server.stop()
     if code not in (0, None, -15):
@@ -183,11 +227,15 @@ def run_config(config: ServerConfig, args, ggufs, binary, warmup, requests) -> d
               file=sys.stderr)
     check_records(config.name, result, args.prompt_len, args.max_new_tokens)
     m = run_metrics(result.records, result.duration_s, client_cpu_fraction=result.client_cpu_fraction)
+    others = other_cpu / result.duration_s  # cores' worth
     print(f"{config.name}: {m.completion_tokens_per_s:,.1f} tok/s, TTFT p50 {m.ttft.p50 * 1e3:.0f} ms, "
-          f"ITL p50/p99 {m.itl.p50 * 1e3:.1f}/{m.itl.p99 * 1e3:.1f} ms (load average before: {load[0]:.2f})",
-          file=sys.stderr, flush=True)
+          f"ITL p50/p99 {m.itl.p50 * 1e3:.1f}/{m.itl.p99 * 1e3:.1f} ms; load average before {load[0]:.2f}, "
+          f"other processes used {others:.2f} cores during the run", file=sys.stderr, flush=True)
+    if others > OTHERS_WARNING_CORES:
+        print(f"{config.name}: warning: other processes took {others:.2f} cores during the run; its figures "
+              f"measure a shared machine", file=sys.stderr)
     return {"config": config.name, "model": model, "command_line": shlex.join(server.argv),
-            "load_average_before": list(load), "result": result, "metrics": m}
+            "load_average_before": list(load), "other_processes_cores": others, "result": result, "metrics": m}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -198,9 +246,9 @@ def _ms(value: float | None) -> str:
 
 
 def summary_table(configs: list[ServerConfig], pooled: dict[str, RunMetrics], runs: dict[str, list[RunMetrics]],
-                  isa: str) -> str:
+                  others: dict[str, list[float]], isa: str) -> str:
     head = ["server", "ISA", "tok/s (each run)", "tok/s (pooled)", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms",
-            "TPOT p50 ms", "client CPU"]
+            "TPOT p50 ms", "client CPU", "others' cores"]
     rows = [head]
     for c in configs:
         m = pooled[c.name]
@@ -208,6 +256,7 @@ def summary_table(configs: list[ServerConfig], pooled: dict[str, RunMetrics], ru
             c.name, isa, ", ".join(f"{r.completion_tokens_per_s:.1f}" for r in runs[c.name]),
             f"{m.completion_tokens_per_s:.1f}", _ms(m.ttft.p50), _ms(m.itl.p50), _ms(m.itl.p99), _ms(m.tpot.p50),
             f"{m.client_cpu_fraction:.0%}" if m.client_cpu_fraction is not None else "n/a",
+            ", ".join(f"{x:.2f}" for x in others[c.name]),
         ])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
@@ -259,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                                       for d in done if d["config"] == c.name],
                                      client_cpu_fractions=[m.client_cpu_fraction for m in runs[c.name]])
               for c in args.configs}
-    sys.stdout.write(summary_table(args.configs, pooled, runs, isa))
+    others = {c.name: [d["other_processes_cores"] for d in done if d["config"] == c.name] for c in args.configs}
+    sys.stdout.write(summary_table(args.configs, pooled, runs, others, isa))
     if args.json:
         doc = {
             "command_line": shlex.join([sys.executable, *sys.argv]),
@@ -275,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             "configs": {c.name: {"engine": c.engine, "dtype": c.dtype,
                                  "runs": [{"cycle": d["cycle"], "command_line": d["command_line"], "model": d["model"],
                                            "load_average_before": d["load_average_before"],
+                                           "other_processes_cores": d["other_processes_cores"],
                                            **d["metrics"].to_dict()} for d in done if d["config"] == c.name],
                                  "aggregate": pooled[c.name].to_dict()} for c in args.configs},
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
