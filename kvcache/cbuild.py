@@ -51,9 +51,7 @@ def _cpu_signature() -> str:
 
 
 def kernel_dir() -> pathlib.Path:
-    root = envs.cache_dir()
-    base = pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "pagewire"
-    return base / "kernels"
+    return envs.cache_root() / "kernels"
 
 
 def build(source: pathlib.Path, compiler: str, flags: list[str], out_dir: pathlib.Path, abi: int) -> pathlib.Path:

@@ -25,10 +25,17 @@ Set by a supervisor for the children it starts, not by users:
 from __future__ import annotations
 
 import os
+import pathlib
 
 
 def cache_dir() -> str | None:
     return os.environ.get("PAGEWIRE_CACHE_DIR") or None
+
+
+def cache_root() -> pathlib.Path:
+    """Where pagewire caches what it builds or converts: $PAGEWIRE_CACHE_DIR, else ~/.cache/pagewire."""
+    env = cache_dir()
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "pagewire"
 
 
 def attention_backend() -> str:

@@ -66,8 +66,7 @@ def model_name(model: str | os.PathLike | None, model_dir: pathlib.Path) -> str:
 
 def default_cache_root() -> pathlib.Path:
     """$PAGEWIRE_CACHE_DIR, else ~/.cache/pagewire."""
-    env = envs.cache_dir()
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "pagewire"
+    return envs.cache_root()
 
 
 def resolve_model_path(model: str | os.PathLike | None, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

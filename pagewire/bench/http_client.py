@@ -2,8 +2,12 @@
 streamed ``POST /v1/completions`` (server-sent events), one connection per stream as HTTP/1.1
 needs (the kernel spreads the connections over the API servers, as it does gRPC's).
 
-Each chunk carries its token ids (``return_token_ids``), so token arrivals are counted exactly as
-over gRPC, and the last chunk the usage (``stream_options.include_usage``).
+Each chunk of a pagewire server carries its token ids (``return_token_ids``), so token arrivals are
+counted exactly as over gRPC, and the last chunk the usage (``stream_options.include_usage``).
+llama.cpp's llama-server sends no ids; asked for ``timings_per_token`` (``extra_body``), each of its
+chunks carries the running count of generated tokens instead, which counts them as exactly (a
+chunk may carry no text, for a special token, or two tokens, when the first ended inside a UTF-8
+character). Other servers count one token per chunk with text (``chunk_tokens``).
 """
 
 from __future__ import annotations
@@ -49,11 +53,30 @@ def completion_body(req: pb.GenerateRequest, model: str) -> dict:
     return body
 
 
-class HttpClient:
-    """An asyncio client of one pagewire server's OpenAI door at ``base_url`` (http://HOST:PORT)."""
+def chunk_tokens(chunk: dict, num_before: int) -> int:
+    """How many tokens one streamed chunk delivered to a request that had ``num_before``: its token
+    ids (pagewire), else the growth of llama.cpp's running count (``timings.predicted_n``), else one
+    if it has text (servers that stream a token per chunk; a closing chunk has none)."""
+    choice = chunk["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is not None:
+        return len(ids)
+    predicted = (chunk.get("timings") or {}).get("predicted_n")
+    if predicted is not None:
+        return predicted - num_before
+    return 1 if choice.get("text") else 0
 
-    def __init__(self, base_url: str):
+
+class HttpClient:
+    """An asyncio client of one OpenAI-compatible completions server at ``base_url`` (http://HOST:PORT):
+    a pagewire server's OpenAI door, or another server on the same requests (llama-server)."""
+
+    def __init__(self, base_url: str, extra_body: dict | None = None, keep_alive: bool = True):
+        """``extra_body``: fields added to every request's JSON body (a server's own options).
+        ``keep_alive=False``: a new connection for every request, closed after its response."""
         self.base_url = base_url.rstrip("/")
+        self.extra_body = dict(extra_body or {})
+        self.keep_alive = keep_alive
         self._session = None
 
     async def _open(self):
@@ -61,8 +84,9 @@ class HttpClient:
 
         if self._session is None:
             # no pooling limit: each concurrent stream needs a connection of its own
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                  timeout=aiohttp.ClientTimeout(total=None))
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive),
+                timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
     async def close(self) -> None:
@@ -99,7 +123,7 @@ class HttpClient:
             raise ValueError("give exactly one of concurrency and arrival_offsets")
         session = await self._open()
         url = self.base_url + "/v1/completions"
-        bodies = [json.dumps(completion_body(r, model)).encode() for r in requests]
+        bodies = [json.dumps(completion_body(r, model) | self.extra_body).encode() for r in requests]
         records = [RequestRecord() for _ in requests]
         update = progress.update if progress is not None else (lambda k: None)
         timeout = aiohttp.ClientTimeout(total=request_timeout)
@@ -108,6 +132,7 @@ class HttpClient:
         async def one(i: int) -> None:
             rec = records[i]
             times, counts = rec.arrival_times, rec.arrival_counts
+            received = 0
             rec.send_time = perf_counter()
             try:
                 async with session.post(url, data=bodies[i], headers=headers, timeout=timeout) as resp:
@@ -126,7 +151,9 @@ class HttpClient:
                                 break
                             if chunk["choices"]:
                                 times.append(now)
-                                counts.append(len(chunk["choices"][0].get("token_ids", ())))
+                                k = chunk_tokens(chunk, received)
+                                counts.append(k)
+                                received += k
                             if chunk.get("usage"):
                                 u = chunk["usage"]
                                 rec.prompt_tokens = u["prompt_tokens"]

@@ -74,6 +74,27 @@ def text_prompts(n: int, text: str, repeats: Sequence[int]) -> list[str]:
     return [text * repeats[i % len(repeats)] for i in range(n)]
 
 
+def word_prompts(n: int, num_tokens: int, tokenizer, rng: random.Random) -> list[str]:
+    """``n`` distinct texts of exactly ``num_tokens`` tokens under ``tokenizer`` (anything with
+    ``vocab_size``, ``decode(ids)`` and ``encode(text)``), to send as text to servers that tokenize
+    for themselves: runs of words that are each one token of the vocabulary (a space and at least
+    three lowercase ASCII letters), every text checked by encoding it."""
+    words = sorted({w for w in (tokenizer.decode([i]) for i in range(tokenizer.vocab_size))
+                    if len(w) >= 4 and w[0] == " " and w[1:].isascii() and w[1:].isalpha() and w[1:].islower()})
+    if len(words) < num_tokens:
+        raise ValueError(f"the tokenizer has {len(words)} one-token words, fewer than {num_tokens}")
+    prompts: list[str] = []
+    seen: set[str] = set()
+    for _ in range(100 * n):
+        text = "".join(rng.sample(words, num_tokens))
+        if text not in seen and len(tokenizer.encode(text)) == num_tokens:
+            seen.add(text)
+            prompts.append(text)
+            if len(prompts) == n:
+                return prompts
+    raise ValueError(f"found only {len(prompts)} of {n} texts of exactly {num_tokens} tokens")
+
+
 def poisson_offsets(n: int, rate: float, rng: random.Random) -> list[float]:
     """Send times (seconds from the start) of ``n`` Poisson arrivals at ``rate`` requests/s; the
     first request goes out at 0."""
