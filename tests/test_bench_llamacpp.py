@@ -47,7 +47,7 @@ def test_configs_keep_their_order_and_skip_blanks():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("pagewire:fp4", "'pagewire:fp4': pagewire refuses it: --dtype (dtype) must be one of float32, float16, bfloat16"),
+    ("pagewire:fp4", "'pagewire:fp4': pagewire refuses it: --dtype (dtype) must be one of auto, float32, float16, bfloat16"),
     ("llama:q4_0", "'llama:q4_0': llama takes a GGUF type, one of f32, f16, bf16, q8_0"),
     ("vllm:f32", "'vllm:f32': expected ENGINE:TYPE with ENGINE one of llama, pagewire"),
     ("llama", "'llama': expected ENGINE:TYPE"),
