@@ -79,14 +79,14 @@ async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) 
 
 
 async def _wait_ready(core_addr: str, num_api_servers: int, stop: asyncio.Event) -> str | None:
-    """Until the core reports the worker connected and every API server ready: the served model's
-    name (None when ``stop`` came first)."""
+    """Until the scheduler reports itself ready (the worker connected, every API server ready): the
+    served model's name (None when ``stop`` came first)."""
     async with grpc.aio.insecure_channel(core_addr) as channel:
         stub = core_pb2_grpc.SchedulerCoreStub(channel)
         while not stop.is_set():
             try:
                 info = await stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=1.0)
-                if info.worker_connected and info.num_api_servers_ready >= num_api_servers:
+                if info.scheduler_ready and info.worker_connected and info.num_api_servers_ready >= num_api_servers:
                     return info.model_name
             except grpc.RpcError:
                 pass

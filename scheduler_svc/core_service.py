@@ -166,6 +166,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self.has_chat_template = False
         self.worker_generation = 0
         self.connected = asyncio.Event()
+        self.readiness_changed = asyncio.Event()  # the worker link came up or an API server got ready
+        self.scheduler_ready = False  # the scheduler logged that it is ready
         self.frames = FrameListener()  # the frame links of the API servers' Connect sessions
         self.num_submitted = 0
         self.num_rejected = 0
@@ -228,7 +230,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         msg = core_pb2.CoreInfoResponse(worker_connected=self.connected.is_set(),
                                         worker_generation=self.worker_generation,
                                         max_num_seqs=self.settings.max_num_seqs,
-                                        num_api_servers_ready=self.num_ready_clients)
+                                        num_api_servers_ready=self.num_ready_clients,
+                                        scheduler_ready=self.scheduler_ready)
         if info is not None and self.engine is not None:
             msg.model_name = info.model_name
             msg.vocab_size = info.vocab_size
@@ -300,6 +303,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self.num_rejected += msg.num_rejected
         if msg.ready:
             client.ready = True
+            self.readiness_changed.set()
         if msg.num_outputs_done > client.num_outputs_done:
             client.num_outputs_done = msg.num_outputs_done
             client.unresponsive = False
@@ -403,6 +407,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self.tokenizer_files = files
         self.worker_generation += 1
         self.connected.set()
+        self.readiness_changed.set()
         self._on_health(True)
         self._broadcast_worker_state()
         log.info("connected to worker %s: %s, %d KV blocks x %d tokens",

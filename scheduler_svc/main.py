@@ -111,8 +111,13 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
     watcher = loop.create_task(supervisor.watch())
     try:
         # ready: the worker is connected and every API server said it is ready
+        # (woken by the change itself, not by a poll)
         while not stop.is_set() and not (core.connected.is_set() and core.num_ready_clients >= settings.api_servers):
-            await asyncio.sleep(0.05)
+            core.readiness_changed.clear()
+            waits = {loop.create_task(core.readiness_changed.wait()), loop.create_task(stop.wait())}
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
         if not stop.is_set():
             for name in supervisor.children:
                 supervisor.mark_ready(name)
@@ -120,6 +125,7 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
             gc.freeze()  # what exists now lives as long as the process: keep it out of full collections
             log.info("scheduler ready on %s%s with %d API server(s), worker %s: %s", listen,
                      http_url(settings.http_listen), settings.api_servers, worker_address, core.worker_info.model_name)
+            core.scheduler_ready = True  # CoreInfo says so from now on (serve waits for it)
         await stop.wait()
         log.info("shutting down: no new requests, letting running ones finish")
         # the API servers drain: they refuse new calls and wait for theirs, which the core keeps stepping

@@ -210,8 +210,7 @@ def test_a_frozen_api_server_does_not_hold_the_others(served, offline, model_dir
         completed = wait_until(lambda: [i for i in range(16) if isinstance(outcomes.get(i), list)] or None, timeout=30)
         assert time.monotonic() - t0 < 30
     finally:
-        os.kill(victim, signal.SIGKILL)
-        os.kill(victim, signal.SIGCONT)
+        os.kill(victim, signal.SIGKILL)  # a stopped process dies of it too; the scheduler may reap it at once
     for t in threads:
         t.join(60)
     completed = [i for i in range(16) if isinstance(outcomes[i], list)]
