@@ -124,3 +124,30 @@ def test_runners_report_the_resolved_dtype(tiny_model_dir, host, caplog):
     assert (null16.dtype, null16.num_kv_blocks) == ("bfloat16", 2 * real.num_kv_blocks)
     explicit = NullRunner(model_dir, RunnerConfig(block_size=4, kv_cache_bytes=budget, dtype="float32"))
     assert explicit.dtype == "float32"
+
+
+class _TwoRanks:
+    """A tensor-parallel group of two whose other rank resolved ``other``: ``min_int`` answers as
+    the all-reduce would, for ``code`` and then ``-code``."""
+
+    size = 2
+
+    def __init__(self, other: torch.dtype):
+        from worker_svc.runner import _RANK_DTYPES
+
+        self.other_code = _RANK_DTYPES.index(other)
+        self.num_calls = 0
+
+    def min_int(self, value: int) -> int:
+        other = self.other_code if self.num_calls % 2 == 0 else -self.other_code
+        self.num_calls += 1
+        return min(value, other)
+
+
+def test_ranks_that_resolved_auto_differently_refuse_to_start():
+    from worker_svc.runner import _check_ranks_agree
+
+    _check_ranks_agree(_TwoRanks(torch.bfloat16), torch.bfloat16)  # the same dtype: fine
+    for mine, other in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        with pytest.raises(ValueError, match="resolved --dtype auto to different dtypes"):
+            _check_ranks_agree(_TwoRanks(other), mine)
