@@ -1,6 +1,6 @@
-"""A bf16 model on a CPU without native bf16 (worker_svc/layers/cpu_bf16_linear.py): the C kernel
-against its torch reference, and the whole model against an fp32 run of the same bf16-rounded
-weights."""
+"""A bf16 model on a CPU without native bf16 (worker_svc/layers/cpu_bf16_linear.py): the whole model
+against an fp32 run of the same bf16-rounded weights. The C kernel itself is tested in
+test_cpu_linear.py."""
 
 from __future__ import annotations
 
@@ -15,60 +15,12 @@ from kvcache import cbuild
 from kvcache.paged import PagedKVCache
 from pagewire_common.sampling import SamplingParams
 from tests.test_models import BLOCK_SIZE, PagedRunner, hf_tiny, prompts
-from worker_svc.layers import cpu_bf16_linear
-from worker_svc.layers.cpu_bf16_linear import (
-    Bf16Linear,
-    Fp32Linear,
-    bf16_linear_ref,
-    compute_bf16_model_in_fp32,
-)
+from worker_svc.layers import cpu_linear
+from worker_svc.layers.cpu_bf16_linear import Fp32Linear, compute_bf16_model_in_fp32
+from worker_svc.layers.cpu_linear import KernelLinear
 from worker_svc.weights import load_model
 
 needs_compiler = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
-
-
-@pytest.fixture(scope="module")
-def lib() -> cpu_bf16_linear.Bf16LinearKernel:
-    built = cpu_bf16_linear.kernel()
-    assert built is not None, "the bf16 linear kernel did not build (see the log)"
-    return built
-
-
-# (rows, out_features, in_features): one row, rows not a multiple of the 6-row block, outputs not a
-# multiple of the 16-column panel, odd and tiny K, SmolLM2's shapes, and K large enough that the
-# rows split into several chunks (at most 256 KiB of x each)
-SHAPES = [(1, 1, 1), (1, 17, 3), (5, 16, 8), (7, 49, 95), (13, 200, 96), (6, 33, 64), (32, 960, 576),
-          (64, 576, 1536), (1, 3072, 576), (70, 40, 2000), (131, 23, 1200)]
-
-
-@needs_compiler
-@pytest.mark.parametrize("rows, out_features, in_features", SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_reference(lib, rows, out_features, in_features, bias):
-    gen = torch.Generator().manual_seed(rows * 7 + out_features)
-    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
-    b = torch.randn(out_features, generator=gen) if bias else None
-    x = torch.randn(rows, in_features, generator=gen)
-    out = lib.linear(x, lib.pack(weight), out_features, b)
-    # both fp32 products and sums, in different orders
-    torch.testing.assert_close(out, bf16_linear_ref(x, weight, b), atol=1e-5 * in_features**0.5, rtol=1e-5)
-
-
-@needs_compiler
-def test_module_takes_strided_and_3d_inputs_and_no_rows(lib):
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(40, 24, generator=gen).bfloat16()
-    bias = torch.randn(40, generator=gen).bfloat16()
-    layer = Bf16Linear(weight, bias, lib)
-    wide = torch.randn(9, 48, generator=gen)
-    x = wide[:, ::2]  # rows 48 apart, columns 2 apart
-    expected = bf16_linear_ref(x, weight, bias)
-    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(layer(x.reshape(3, 3, 24)), expected.view(3, 3, 40), atol=1e-5, rtol=1e-5)
-    assert layer(torch.empty(0, 24)).shape == (0, 40)
-    assert layer.packed_weight.dtype == torch.bfloat16 and layer.packed_weight.numel() == 48 * 24  # 3 panels
-    with pytest.raises(ValueError, match="does not fit"):
-        layer(torch.randn(2, 23))
 
 
 def bf16_model_and_reference(kind, tmp_path):
@@ -128,7 +80,7 @@ def test_bf16_model_with_bf16_cache_stays_within_tolerance(kind, tmp_path):
 
 
 def test_without_a_compiler_weights_are_widened_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_bf16_linear, "kernel", lambda: None)
+    monkeypatch.setattr(cpu_linear, "kernel", lambda: None)
     _, model_dir = hf_tiny("llama_gqa_tied", tmp_path)
     model, config = load_model(model_dir, torch.bfloat16, "cpu")
     assert compute_bf16_model_in_fp32(model) == "weights widened to fp32 (no C compiler)"
@@ -163,7 +115,8 @@ def test_served_bf16_agrees_greedily_with_fp32_of_the_same_weights(tiny_model_di
         with LLM(model_dir, dtype=dtype, block_size=4, num_kv_blocks=128) as llm:
             if dtype == "bfloat16":
                 assert llm.runner.kv_cache.dtype == torch.bfloat16
-                assert any(isinstance(m, Bf16Linear) for m in llm.runner.model.modules())
+                linears = [m for m in llm.runner.model.modules() if isinstance(m, KernelLinear)]
+                assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
             outputs[dtype] = [out.token_ids for out in llm.generate(prompts_, params)]
     assert outputs["bfloat16"] == outputs["float32"]
 
@@ -175,5 +128,5 @@ def test_a_cpu_with_native_bf16_keeps_its_path(tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(cpu_features, "cpu_info", lambda: AVX512_BF16)
     runner = ModelRunner(tiny_model_dir("llama-gqa"), RunnerConfig(dtype="bfloat16", device="cpu", num_kv_blocks=8))
-    assert not any(isinstance(m, (Bf16Linear, Fp32Linear)) for m in runner.model.modules())
+    assert not any(isinstance(m, (KernelLinear, Fp32Linear)) for m in runner.model.modules())
     assert runner.model.model.embed_tokens.output_dtype is None

@@ -67,7 +67,7 @@ class RunnerConfig:
     dtype: str = default_of("dtype")
     device: str | None = default_of("device")  # None: cuda if available, else cpu
     max_model_len: int | None = default_of("max_model_len")  # None: the model's own
-    # CPU only: prepack linear weights for oneDNN (layers/cpu_linear.py); not a user setting
+    # CPU only: prepack linear weights for the C kernel or oneDNN (layers/cpu_linear.py); not a user setting
     cpu_packed_linear: bool = True
     # CUDA only: replay captured graphs for decode-only steps of up to this many sequences
     cuda_graphs: bool = default_of("cuda_graphs")
@@ -159,7 +159,7 @@ class ModelRunner:
 
     def _prepare_cpu_model(self, config: RunnerConfig) -> None:
         """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (layers.cpu_bf16_linear);
-        otherwise linear weights packed for oneDNN."""
+        otherwise linear weights packed for the C kernel or oneDNN (layers.cpu_linear)."""
         compute_dtype = self.dtype
         cpu = cpu_features.cpu_info()
         if self.dtype == torch.bfloat16 and not cpu.native_bf16:
@@ -168,7 +168,7 @@ class ModelRunner:
             log.info("bf16 weights and KV cache, fp32 arithmetic: this CPU has no native bf16 (%s); linears: %s",
                      cpu.isa or "unknown ISA", linears)
         elif config.cpu_packed_linear:
-            pack_linears_for_cpu(self.model)
+            log.info("CPU linears: %s", pack_linears_for_cpu(self.model) or "plain torch matmuls")
         log.info("CPU attention: %s", prepare_cpu_attention(compute_dtype, self.dtype))
 
     def _grammar_masks(self) -> GrammarMasks | None:

@@ -111,12 +111,11 @@ class RowParallelLinear(nn.Linear):
             raise ValueError(f"shape mismatch for {param_name}: checkpoint {tuple(source.shape)}, expected {expected}")
         param.copy_(source.narrow(1, self.tp.rank * self.in_features, self.in_features))
 
-    def packed(self, make_linear=None) -> nn.Module:
-        """This layer with its weight repacked by ``make_linear(weight, bias)`` (default: for oneDNN,
-        ``layers.cpu_linear.PackedLinear``); the all-reduce and the bias stay around it."""
-        from worker_svc.layers.cpu_linear import PackedLinear, PackedRowParallel
+    def packed(self, make_linear) -> nn.Module:
+        """This layer with its weight repacked by ``make_linear(weight, bias)`` (a packed layer of
+        ``layers.cpu_linear``); the all-reduce and the bias stay around it."""
+        from worker_svc.layers.cpu_linear import PackedRowParallel
 
-        make_linear = make_linear or PackedLinear
         if self.tp.size == 1:
             return make_linear(self.weight, self.bias)
         return PackedRowParallel(make_linear(self.weight, None), self.bias, self.tp)

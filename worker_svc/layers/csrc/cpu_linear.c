@@ -1,0 +1,206 @@
+/* y = x W^T + b on CPU, x, y and b in float32, W in float32 or bfloat16, every product and sum an
+ * fp32 FMA.
+ *
+ * Decode steps multiply a few dozen rows by weights far larger than the caches: each step streams
+ * every weight from memory once. So the kernel is built around the weight stream: W is packed once
+ * into panels of 16 output columns, contiguous in k, and each panel is multiplied by all the rows
+ * while it is in L1/L2; the next panel is prefetched during the first pass over the current one, so
+ * the memory stream overlaps the arithmetic.
+ *
+ * bf16 weights (for CPUs without native bf16 arithmetic: AVX2 and plain AVX-512) are read at half
+ * the bytes and widened in registers (a bf16 value is the top half of an fp32 one).
+ *
+ * Packed layouts, panels of 16 output columns (columns past N are zero):
+ *   fp32: panel p holds, for each k, W[16p + j][k] for j = 0..15 (64 bytes);
+ *   bf16: panel p holds, for each k, one 32-byte row of 8 uint32 lanes,
+ *         lane j = W[16p + j][k] | W[16p + 8 + j][k] << 16. A shift left by 16 gives columns
+ *         16p..16p+7 as fp32, a mask of the high half gives 16p+8..16p+15: one integer op per 8
+ *         weights.
+ *
+ * Micro-kernel: up to 6 rows x 16 columns of y in 12 accumulators, over the whole K: per k, one
+ * panel row, six broadcasts of x and twelve FMAs. Rows are split into blocks of near-equal size
+ * (32 rows: 6, 6, 5, 5, 5, 5; not 6 x 5 + 2, whose 2-row block waits on FMA latency). Rows are done
+ * in equal chunks of at most ~256 KiB of x (so a chunk stays in L2 while every panel passes over
+ * it); inside a chunk the OpenMP threads split the panels statically, so a thread keeps the same
+ * panels for every chunk, and the panel after the current one is the one it prefetches.
+ *
+ * Built at first use by worker_svc/layers/cpu_linear.py (through kvcache.cbuild) and called through
+ * ctypes; ``linear_ref`` there (torch) is what tests hold it to.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
+#define PANEL 16
+#define MR 6
+#define CHUNK_BYTES (256 << 10) /* of x per row chunk */
+
+/* src [n, k] fp32 row-major -> dst [ceil(n / 16), k, 16]. */
+void linear_pack_f32(const float *src, float *dst, int64_t n, int64_t k) {
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+        float *panel = dst + p * k * PANEL;
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < PANEL; j++) {
+                const int64_t col = p * PANEL + j;
+                panel[kk * PANEL + j] = col < n ? src[col * k + kk] : 0.0f;
+            }
+    }
+}
+
+/* src [n, k] bf16 row-major -> dst [ceil(n / 16), k, 16] in the lane order above. */
+void linear_pack_bf16(const uint16_t *src, uint16_t *dst, int64_t n, int64_t k) {
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+        uint16_t *panel = dst + p * k * PANEL;
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int64_t j = 0; j < PANEL / 2; j++) {
+                const int64_t lo = p * PANEL + j, hi = lo + PANEL / 2;
+                panel[kk * PANEL + 2 * j] = lo < n ? src[lo * k + kk] : 0;
+                panel[kk * PANEL + 2 * j + 1] = hi < n ? src[hi * k + kk] : 0;
+            }
+        }
+    }
+}
+
+static inline float weight_at(const void *panel, int wide, int64_t kk, int j) {
+    if (wide) return ((const float *)panel)[kk * PANEL + j];
+    const uint16_t *row = (const uint16_t *)panel + kk * PANEL;
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)(j < PANEL / 2 ? row[2 * j] : row[2 * (j - PANEL / 2) + 1]) << 16;
+    return v.f;
+}
+
+/* acc[r][0..15] = sum over k of x[r][k] * panel column, for rows r < mr (mr and wide constants
+ * after inlining into the switch below). Prefetches the panel at `prefetch` (the next one, or this
+ * one again) row by row as it goes: unconditionally, since a branch in this loop makes gcc keep
+ * the accumulators in memory. */
+static inline __attribute__((always_inline)) void panel_product(
+    const float *x, int64_t x_stride, const void *panel, int wide, int64_t k, int mr, float acc[MR][PANEL],
+    const char *prefetch) {
+#if HAVE_AVX2
+    /* named accumulators, not arrays: gcc keeps arrays of them in memory inside the loop */
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const int64_t row_bytes = PANEL * (wide ? 4 : 2);
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t kk = 0; kk < k; kk++) {
+        _mm_prefetch(prefetch + kk * row_bytes, _MM_HINT_T0);
+        /* columns 0..7 and 8..15 of the panel's row kk, as fp32 */
+        __m256 w0, w1;
+        if (wide) {
+            w0 = _mm256_loadu_ps((const float *)panel + kk * PANEL);
+            w1 = _mm256_loadu_ps((const float *)panel + kk * PANEL + 8);
+        } else {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + kk * PANEL));
+            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            w1 = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        }
+#define ROW_FMA(R)                                                               \
+        if (mr > R) {                                                            \
+            const __m256 xb = _mm256_broadcast_ss(x + R * x_stride + kk);        \
+            c##R##0 = _mm256_fmadd_ps(xb, w0, c##R##0);                          \
+            c##R##1 = _mm256_fmadd_ps(xb, w1, c##R##1);                          \
+        }
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
+#undef ROW_FMA
+    }
+#define ROW_STORE(R)                                                             \
+    if (mr > R) {                                                                \
+        _mm256_storeu_ps(acc[R], c##R##0);                                       \
+        _mm256_storeu_ps(acc[R] + 8, c##R##1);                                   \
+    }
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
+#undef ROW_STORE
+#else
+    (void)prefetch;
+    for (int r = 0; r < mr; r++) memset(acc[r], 0, sizeof(float) * PANEL);
+    for (int64_t kk = 0; kk < k; kk++) {
+        float w[PANEL];
+        for (int j = 0; j < PANEL; j++) w[j] = weight_at(panel, wide, kk, j);
+        for (int r = 0; r < mr; r++) {
+            const float xv = x[r * x_stride + kk];
+            for (int j = 0; j < PANEL; j++) acc[r][j] += xv * w[j];
+        }
+    }
+#endif
+}
+
+/* One specialized copy per row count and weight type. */
+#define PANEL_ROWS(NAME, WIDE)                                                                            \
+    static void NAME(const float *x, int64_t x_stride, const void *panel, int64_t k, int mr,                \
+                     float acc[MR][PANEL], const char *prefetch) {                                          \
+        switch (mr) {                                                                                      \
+        case 1: panel_product(x, x_stride, panel, WIDE, k, 1, acc, prefetch); break;                       \
+        case 2: panel_product(x, x_stride, panel, WIDE, k, 2, acc, prefetch); break;                       \
+        case 3: panel_product(x, x_stride, panel, WIDE, k, 3, acc, prefetch); break;                       \
+        case 4: panel_product(x, x_stride, panel, WIDE, k, 4, acc, prefetch); break;                       \
+        case 5: panel_product(x, x_stride, panel, WIDE, k, 5, acc, prefetch); break;                       \
+        default: panel_product(x, x_stride, panel, WIDE, k, MR, acc, prefetch); break;                     \
+        }                                                                                                  \
+    }
+PANEL_ROWS(panel_rows_f32, 1)
+PANEL_ROWS(panel_rows_bf16, 0)
+
+/* x [m, k] fp32 (rows x_stride apart), packed W for [n, k] (fp32 if wide, else bf16), bias [n]
+ * fp32 or NULL -> y [m, n] fp32 (rows y_stride apart). */
+static void linear(const float *x, int64_t x_stride, const void *packed, int wide, const float *bias, float *y,
+                   int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = k * PANEL * (wide ? 4 : 2);
+    int64_t max_rows = CHUNK_BYTES / (4 * (k > 0 ? k : 1)) / MR * MR;
+    if (max_rows < MR) max_rows = MR;
+    const int64_t num_chunks = (m + max_rows - 1) / max_rows;
+    const int64_t chunk = num_chunks > 1 ? ((m + num_chunks - 1) / num_chunks + MR - 1) / MR * MR : m;
+    #pragma omp parallel
+    {
+        float acc[MR][PANEL] __attribute__((aligned(32)));
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            const int64_t num_blocks = (m1 - m0 + MR - 1) / MR;
+            /* no barrier between chunks: they write disjoint rows */
+            #pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < num_panels; p++) {
+                const char *panel = (const char *)packed + p * panel_bytes;
+                const char *next = p + 1 < num_panels ? panel + panel_bytes : panel;
+                const int64_t col = p * PANEL, cols = n - col < PANEL ? n - col : PANEL;
+                for (int64_t b = 0, r0 = m0; b < num_blocks; b++) {
+                    /* near-equal blocks: the first (rows % blocks) get one row more */
+                    const int mr = (int)((m1 - m0) / num_blocks + (b < (m1 - m0) % num_blocks));
+                    (wide ? panel_rows_f32 : panel_rows_bf16)(x + r0 * x_stride, x_stride, panel, k, mr, acc, b == 0 ? next : panel);
+                    for (int r = 0; r < mr; r++) {
+                        float *dst = y + (r0 + r) * y_stride + col;
+                        if (bias)
+                            for (int64_t j = 0; j < cols; j++) dst[j] = acc[r][j] + bias[col + j];
+                        else
+                            memcpy(dst, acc[r], sizeof(float) * cols);
+                    }
+                    r0 += mr;
+                }
+            }
+        }
+    }
+}
+
+void linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
+                int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    linear(x, x_stride, packed, 1, bias, y, y_stride, m, n, k);
+}
+
+void linear_bf16(const float *x, int64_t x_stride, const uint16_t *packed, const float *bias, float *y,
+                 int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    linear(x, x_stride, packed, 0, bias, y, y_stride, m, n, k);
+}
+
+/* 1 when built with the AVX2/FMA micro-kernel, 0 for the portable one. */
+int linear_simd(void) { return HAVE_AVX2; }
+
+/* The ABI version worker_svc/layers/cpu_linear.py expects; bump it when a signature changes. */
+int pagewire_cpu_linear_abi(void) { return 2; }
