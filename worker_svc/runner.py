@@ -26,6 +26,7 @@ from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dty
 from worker_svc.nvtx import nvtx_range
 from worker_svc.plan_state import SeqState, SequenceStates
 from worker_svc.layers.cpu_bf16_linear import compute_bf16_model_in_fp32
+from worker_svc.layers.cpu_fused import use_fused_cpu_kernels
 from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.logits_adjust import LogitsAdjuster
@@ -159,7 +160,8 @@ class ModelRunner:
 
     def _prepare_cpu_model(self, config: RunnerConfig) -> None:
         """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (layers.cpu_bf16_linear);
-        otherwise linear weights packed for the C kernel or oneDNN (layers.cpu_linear)."""
+        otherwise linear weights packed for the C kernel or oneDNN (layers.cpu_linear). fp32
+        arithmetic also takes the fused norm and SiLU kernels (layers.cpu_fused)."""
         compute_dtype = self.dtype
         cpu = cpu_features.cpu_info()
         if self.dtype == torch.bfloat16 and not cpu.native_bf16:
@@ -169,6 +171,8 @@ class ModelRunner:
                      cpu.isa or "unknown ISA", linears)
         elif config.cpu_packed_linear:
             log.info("CPU linears: %s", pack_linears_for_cpu(self.model) or "plain torch matmuls")
+        if compute_dtype == torch.float32 and use_fused_cpu_kernels(self.model):
+            log.info("CPU norms and SiLU: fused C kernels")
         log.info("CPU attention: %s", prepare_cpu_attention(compute_dtype, self.dtype))
 
     def _grammar_masks(self) -> GrammarMasks | None:

@@ -23,12 +23,17 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class ActAndMul(nn.Module):
-    """act(gate) * up for a fused [T, 2 * I] gate/up projection."""
+    """act(gate) * up for a fused [T, 2 * I] gate/up projection. ``cpu_kernels`` (set by
+    ``layers.cpu_fused.use_fused_cpu_kernels`` for SiLU) computes it in one C pass."""
+
+    cpu_kernels = None
 
     def __init__(self, name: str):
         super().__init__()
         self.act = get_activation(name)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None and gate_up.dtype == torch.float32:
+            return self.cpu_kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act(gate) * up

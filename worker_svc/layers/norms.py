@@ -7,7 +7,10 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalize in fp32, scale in the input dtype (as transformers does)."""
+    """Llama RMSNorm: normalize in fp32, scale in the input dtype (as transformers does).
+    ``cpu_kernels`` (set by ``layers.cpu_fused.use_fused_cpu_kernels``) computes it in one C pass."""
+
+    cpu_kernels = None
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -15,6 +18,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels is not None and x.dtype == torch.float32:
+            return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -1,0 +1,85 @@
+"""The fused CPU kernels (worker_svc/layers/cpu_fused.py) against their torch references, and a
+model switched to them against the same model on torch operators."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcache import cbuild
+from worker_svc.layers import cpu_fused
+from worker_svc.layers.activation import ActAndMul
+from worker_svc.layers.cpu_fused import rms_norm_ref, silu_mul_ref, use_fused_cpu_kernels
+from worker_svc.layers.norms import RMSNorm
+
+pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
+
+
+@pytest.fixture(scope="module")
+def lib() -> cpu_fused.FusedKernels:
+    built = cpu_fused.kernel()
+    assert built is not None, "the fused CPU kernels did not build (see the log)"
+    return built
+
+
+# rows x width: one row, widths that are and are not multiples of 8, SmolLM2's, and a prefill-sized
+# step (split over threads)
+SIZES = [(1, 1), (1, 7), (3, 8), (5, 77), (32, 576), (513, 1536)]
+
+
+@pytest.mark.parametrize("rows, width", SIZES)
+def test_rms_norm_matches_reference(lib, rows, width):
+    gen = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, width, generator=gen) * 3
+    weight = torch.randn(width, generator=gen)
+    # the same operations per element; only the sum of squares is added up in another order
+    torch.testing.assert_close(lib.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("rows, width", SIZES)
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_silu_mul_matches_reference(lib, rows, width, scale):
+    gen = torch.Generator().manual_seed(rows * width)
+    gate_up = torch.randn(rows, 2 * width, generator=gen) * scale
+    # exp from a polynomial: within a few ulp of torch's
+    torch.testing.assert_close(lib.silu_mul(gate_up), silu_mul_ref(gate_up), atol=1e-6 * scale, rtol=1e-6)
+
+
+def test_silu_mul_at_the_extremes(lib):
+    gate = torch.tensor([-1e4, -100.0, -88.0, -87.0, -20.0, -1e-30, 0.0, 1e-30, 20.0, 88.0, 89.0, 1e4, float("inf")])
+    out = lib.silu_mul(torch.cat([gate, torch.full_like(gate, 2.0)]).view(1, -1))
+    expected = F.silu(gate) * 2
+    torch.testing.assert_close(out[0], expected, atol=1e-30, rtol=1e-6)
+    assert out[0, -1] == float("inf") and (out[0, :4] <= 0).all()
+
+
+def test_takes_strided_and_batched_inputs_and_refuses_others(lib):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(6, 40, generator=gen)
+    x = wide[:, :20]  # rows 40 apart
+    weight = torch.randn(20, generator=gen)
+    torch.testing.assert_close(lib.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lib.silu_mul(wide.view(2, 3, 40)), silu_mul_ref(wide).view(2, 3, 20), atol=1e-6, rtol=1e-6)
+    assert lib.silu_mul(torch.empty(0, 8)).shape == (0, 4)
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        lib.rms_norm(x.double(), weight, 1e-6)
+    with pytest.raises(ValueError, match="does not fit"):
+        lib.rms_norm(x, torch.randn(21), 1e-6)
+    with pytest.raises(ValueError, match="odd width"):
+        lib.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa_tied", "llama_bias_llama3_rope"])
+def test_model_on_fused_kernels_keeps_its_logits(kind, tmp_path):
+    from tests.test_models import PagedRunner, hf_tiny, prompts
+    from worker_svc.weights import load_model
+
+    _, model_dir = hf_tiny(kind, tmp_path)
+    model, config = load_model(model_dir, torch.float32, "cpu")
+    batch = [[(i, p) for i, p in enumerate(prompts(seed=2))]]
+    expected = torch.cat(PagedRunner(model, config, seed=3).step(batch[0]))
+    switched = use_fused_cpu_kernels(model)
+    assert switched == 3 * config.num_layers + 1  # two norms and the MLP per layer, the final norm
+    assert all(m.cpu_kernels is not None for m in model.modules() if isinstance(m, (RMSNorm, ActAndMul)))
+    torch.testing.assert_close(torch.cat(PagedRunner(model, config, seed=3).step(batch[0])), expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,101 @@
+"""Fused RMSNorm and SiLU-and-multiply for float32 activations on CPU (``csrc/cpu_fused.c``).
+
+At decode sizes each is a handful of torch operators, each a pass over memory and, past torch's
+grain size, an OpenMP region whose barrier waits on any thread another process preempted (the
+scheduler and API servers share the cores). The C versions make one pass, on one thread unless the
+step is large. :func:`use_fused_cpu_kernels` switches a loaded model's :class:`RMSNorm` and SiLU
+:class:`ActAndMul` layers to them; :func:`rms_norm_ref` and :func:`silu_mul_ref` are the torch
+computations they are held to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import pathlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache import cbuild
+from worker_svc.layers.activation import ActAndMul
+from worker_svc.layers.norms import RMSNorm
+
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_fused.c"
+_ABI = 1
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class FusedKernels:
+    """The loaded C library, with torch-facing calls on 2-D float32 CPU tensors whose rows are
+    contiguous (others are copied first)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._rms_norm = lib.rms_norm_f32
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [p, i64, p, ctypes.c_float, p, i64, i64]
+        self._silu_mul = lib.silu_mul_f32
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [p, i64, p, i64, i64]
+        self.simd = bool(lib.fused_simd())
+
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"the fused CPU kernels take float32 CPU tensors, got {x.dtype} on {x.device}")
+        x = x.reshape(-1, x.shape[-1])
+        return x if x.stride(1) == 1 else x.contiguous()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """[..., n] -> [..., n]: ``weight * (x * rsqrt(mean(x^2) + eps))``."""
+        rows = self._rows(x)
+        if weight.dtype != torch.float32 or weight.shape != (rows.shape[1],):
+            raise ValueError(f"RMSNorm weight {tuple(weight.shape)} {weight.dtype} does not fit rows of {rows.shape[1]}")
+        out = torch.empty(rows.shape, dtype=torch.float32)
+        self._rms_norm(rows.data_ptr(), rows.stride(0), weight.data_ptr(), eps, out.data_ptr(), rows.shape[0], rows.shape[1])
+        return out.view(x.shape)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[..., 2n] (gate, then up) -> [..., n]: ``silu(gate) * up``."""
+        rows = self._rows(gate_up)
+        if rows.shape[1] % 2:
+            raise ValueError(f"gate/up rows have an odd width {rows.shape[1]}")
+        n = rows.shape[1] // 2
+        out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+        self._silu_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], n)
+        return out.view(*gate_up.shape[:-1], n)
+
+
+@functools.cache
+def kernel() -> FusedKernels | None:
+    """The kernels, built on first call; None (after one warning) when they cannot be built."""
+    lib = cbuild.load(_SOURCE, "pagewire_cpu_fused_abi", _ABI, "norms and activations use torch operators")
+    return None if lib is None else FusedKernels(lib)
+
+
+def use_fused_cpu_kernels(model: nn.Module) -> int:
+    """Point the RMSNorm and SiLU ActAndMul layers of a model that computes in float32 on CPU at the
+    fused kernels. Returns how many layers now use them (0 without an AVX2 build of the kernels,
+    where torch's vectorized operators are the faster choice)."""
+    lib = kernel()
+    if lib is None or not lib.simd:
+        return 0
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and module.weight.dtype == torch.float32:
+            module.cpu_kernels = lib
+            switched += 1
+        elif isinstance(module, ActAndMul) and module.act is F.silu:
+            module.cpu_kernels = lib
+            switched += 1
+    return switched
