@@ -51,6 +51,7 @@ from pagewire.bench.llamacpp import (
 )
 from pagewire.bench.loadgen import LoadResult, build_requests, run_rng, word_prompts
 from pagewire.bench.metrics import RunMetrics, pooled_metrics, run_metrics
+from pagewire.bench.procs import busy_cpu_seconds, cpu_by_role, cpu_seconds, serve_roles
 from pagewire.bench.report import cpu_info, environment, write_json
 from pagewire.bench.server import BenchError, ServedServer, descendant_pids, free_port
 from pagewire.client import make_sampling
@@ -136,56 +137,41 @@ def check_records(name: str, result: LoadResult, prompt_len: int, max_new_tokens
             raise BenchError(f"{name}: request {i} {problem}")
 
 
-def busy_cpu_seconds() -> float:
-    """CPU time this machine has spent busy since boot, all cores (/proc/stat; steal counts as busy:
-    the hypervisor gave the core to someone else)."""
-    with open("/proc/stat") as f:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+class RunCpu:
+    """Where the CPU went while a run went on: each process of the server under test and this one
+    (the client), in seconds, and what processes other than these took (on a shared machine, what
+    the figures lost to others)."""
 
-
-def process_cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes (all their threads)."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                total += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
-        except OSError:  # gone
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-class OtherLoad:
-    """CPU time that processes other than this one and the server's took while a run went on: on a
-    shared machine, what the figures lost to others."""
-
-    def __init__(self, server_pid: int):
+    def __init__(self, server_pid: int, roles: dict[str, list[int]]):
         self.server_pid = server_pid
+        self.roles = {**roles, "client": [os.getpid()]}
 
     def _ours(self) -> float:
-        return process_cpu_seconds([os.getpid(), self.server_pid, *descendant_pids(self.server_pid)])
+        return sum(cpu_seconds(p) for p in [os.getpid(), self.server_pid, *descendant_pids(self.server_pid)])
 
     def start(self) -> None:
-        self.busy0, self.ours0 = busy_cpu_seconds(), self._ours()
+        self.busy0, self.ours0, self.by_role0 = busy_cpu_seconds(), self._ours(), cpu_by_role(self.roles)
 
-    def stop(self) -> float:
-        return max(0.0, busy_cpu_seconds() - self.busy0 - (self._ours() - self.ours0))
+    def stop(self) -> tuple[float, dict[str, float]]:
+        """(CPU seconds other processes took, CPU seconds by role)."""
+        others = max(0.0, busy_cpu_seconds() - self.busy0 - (self._ours() - self.ours0))
+        by_role = {role: cpu - self.by_role0[role] for role, cpu in cpu_by_role(self.roles).items()}
+        return others, by_role
 
 
 async def measure(base_url: str, extra_body: dict, warmup, requests, concurrency: int, ready_timeout: float,
-                  other: OtherLoad) -> tuple[str, LoadResult, float]:
+                  cpu: RunCpu) -> tuple[str, LoadResult, tuple[float, dict[str, float]]]:
     """Wait for the server, warm it up, run the workload; (served model name, the measured run, CPU
-    seconds others took during it)."""
+    seconds others took during it and CPU seconds by process)."""
     # a connection per request, for both servers: reusing kept-alive connections to llama-server
     # failed now and then (a request written on a connection the server had closed)
     client = HttpClient(base_url, extra_body, keep_alive=False)
     try:
         model = await client.wait_ready(ready_timeout)
         await client.run(warmup, model=model, concurrency=concurrency)
-        other.start()
+        cpu.start()
         result = await client.run(requests, model=model, concurrency=concurrency)
-        return model, result, other.stop()
+        return model, result, cpu.stop()
     finally:
         await client.close()
 
@@ -218,8 +204,10 @@ def run_config(config: ServerConfig, args, ggufs, binary, warmup, requests) -> d
     server, base_url = start_server(config, args, ggufs, binary)
     try:
         extra_body = LLAMA_EXTRA_BODY if config.engine == "llama" else {}
-        model, result, other_cpu = eventloop.run(measure(base_url, extra_body, warmup, requests, args.concurrency,
-                                                         args.ready_timeout, OtherLoad(server.proc.pid)))
+        pid = server.proc.pid
+        roles = {"llama-server": [pid]} if config.engine == "llama" else serve_roles(pid)
+        model, result, (other_cpu, cpu) = eventloop.run(measure(base_url, extra_body, warmup, requests, args.concurrency,
+                                                                args.ready_timeout, RunCpu(pid, roles)))
     finally:
         code = server.stop()
     if code not in (0, None, -15):
@@ -228,14 +216,18 @@ def run_config(config: ServerConfig, args, ggufs, binary, warmup, requests) -> d
     check_records(config.name, result, args.prompt_len, args.max_new_tokens)
     m = run_metrics(result.records, result.duration_s, client_cpu_fraction=result.client_cpu_fraction)
     others = other_cpu / result.duration_s  # cores' worth
+    tokens = sum(r.completion_tokens for r in result.records)
+    cpu_ms_per_token = {role: seconds * 1e3 / tokens for role, seconds in cpu.items()}
     print(f"{config.name}: {m.completion_tokens_per_s:,.1f} tok/s, TTFT p50 {m.ttft.p50 * 1e3:.0f} ms, "
           f"ITL p50/p99 {m.itl.p50 * 1e3:.1f}/{m.itl.p99 * 1e3:.1f} ms; load average before {load[0]:.2f}, "
-          f"other processes used {others:.2f} cores during the run", file=sys.stderr, flush=True)
+          f"other processes used {others:.2f} cores during the run; CPU ms per token: "
+          + ", ".join(f"{role} {ms:.2f}" for role, ms in cpu_ms_per_token.items()), file=sys.stderr, flush=True)
     if others > OTHERS_WARNING_CORES:
         print(f"{config.name}: warning: other processes took {others:.2f} cores during the run; its figures "
               f"measure a shared machine", file=sys.stderr)
     return {"config": config.name, "model": model, "command_line": shlex.join(server.argv),
-            "load_average_before": list(load), "other_processes_cores": others, "result": result, "metrics": m}
+            "load_average_before": list(load), "other_processes_cores": others, "cpu_ms_per_token": cpu_ms_per_token,
+            "result": result, "metrics": m}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -262,6 +254,17 @@ def summary_table(configs: list[ServerConfig], pooled: dict[str, RunMetrics], ru
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n"
+
+
+def cpu_table(configs: list[ServerConfig], done: list[dict]) -> str:
+    """CPU ms per generated token of each process, the mean over a server's runs."""
+    lines = ["\nCPU ms per generated token, by process (mean over runs):"]
+    for c in configs:
+        per_run = [d["cpu_ms_per_token"] for d in done if d["config"] == c.name]
+        roles = {role: sum(r.get(role, 0.0) for r in per_run) / len(per_run) for role in per_run[0]}
+        cells = ", ".join(f"{role} {ms:.2f}" for role, ms in roles.items())
+        lines.append(f"  {c.name}: {cells}; all {sum(roles.values()):.2f}")
     return "\n".join(lines) + "\n"
 
 
@@ -310,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
               for c in args.configs}
     others = {c.name: [d["other_processes_cores"] for d in done if d["config"] == c.name] for c in args.configs}
     sys.stdout.write(summary_table(args.configs, pooled, runs, others, isa))
+    sys.stdout.write(cpu_table(args.configs, done))
     if args.json:
         doc = {
             "command_line": shlex.join([sys.executable, *sys.argv]),
@@ -326,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "runs": [{"cycle": d["cycle"], "command_line": d["command_line"], "model": d["model"],
                                            "load_average_before": d["load_average_before"],
                                            "other_processes_cores": d["other_processes_cores"],
+                                           "cpu_ms_per_token": d["cpu_ms_per_token"],
                                            **d["metrics"].to_dict()} for d in done if d["config"] == c.name],
                                  "aggregate": pooled[c.name].to_dict()} for c in args.configs},
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
