@@ -297,7 +297,8 @@ def test_hard_kill_of_serve_leaves_no_process_and_no_temp_folder(model_dir, tmp_
 def test_a_worker_that_cannot_start_stops_serve_with_one_clear_message(tmp_path):
     port = free_port()
     out = subprocess.run([sys.executable, "-m", "pagewire.cli", "serve", "--model", str(tmp_path / "no-such-model"),
-                          "--listen", f"127.0.0.1:{port}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                          "--listen", f"127.0.0.1:{port}", "--http-listen", "127.0.0.1:0"],  # never the shared default
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "the worker exited with code 2 before it was ready; stopping" in out.stderr
     assert out.stderr.count("no-such-model") >= 1 and "restarting" not in out.stderr

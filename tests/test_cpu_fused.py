@@ -54,6 +54,31 @@ def test_silu_mul_at_the_extremes(lib):
     assert out[0, -1] == float("inf") and (out[0, :4] <= 0).all()
 
 
+@pytest.mark.parametrize("num_tokens, q_heads, k_heads, head_dim", [(1, 9, 3, 64), (7, 4, 4, 6), (33, 2, 1, 34)])
+def test_rotary_is_bit_equal_to_apply_rotary(lib, num_tokens, q_heads, k_heads, head_dim):
+    from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    cos, sin = rope(torch.randint(0, 512, (num_tokens,), generator=gen), torch.float32)
+    # q and k as the attention layer has them: views into one fused projection's rows
+    qkv = torch.randn(num_tokens, (q_heads + 2 * k_heads) * head_dim, generator=gen) * 4
+    q, k, _ = qkv.split([q_heads * head_dim, k_heads * head_dim, k_heads * head_dim], dim=-1)
+    q, k = q.view(num_tokens, q_heads, head_dim), k.view(num_tokens, k_heads, head_dim)
+    expected_q, expected_k, v_before = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), qkv[:, -k_heads * head_dim:].clone()
+    assert lib.rotary(q, k, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, -k_heads * head_dim:], v_before)  # v untouched
+
+
+def test_rotary_declines_layouts_it_does_not_take(lib):
+    cos, sin = torch.ones(2, 1, 4), torch.zeros(2, 1, 4)
+    q = torch.randn(2, 3, 8)
+    assert not lib.rotary(q.double(), q.double(), cos.double(), sin.double())
+    assert not lib.rotary(q.transpose(0, 1).contiguous().transpose(0, 1), q, cos, sin)  # heads not in rows
+    assert not lib.rotary(q, q, torch.ones(2, 1, 3), torch.ones(2, 1, 3))
+
+
 def test_takes_strided_and_batched_inputs_and_refuses_others(lib):
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(6, 40, generator=gen)
@@ -80,6 +105,6 @@ def test_model_on_fused_kernels_keeps_its_logits(kind, tmp_path):
     batch = [[(i, p) for i, p in enumerate(prompts(seed=2))]]
     expected = torch.cat(PagedRunner(model, config, seed=3).step(batch[0]))
     switched = use_fused_cpu_kernels(model)
-    assert switched == 3 * config.num_layers + 1  # two norms and the MLP per layer, the final norm
+    assert switched == 4 * config.num_layers + 1  # two norms, the attention and the MLP per layer, the final norm
     assert all(m.cpu_kernels is not None for m in model.modules() if isinstance(m, (RMSNorm, ActAndMul)))
     torch.testing.assert_close(torch.cat(PagedRunner(model, config, seed=3).step(batch[0])), expected, atol=1e-5, rtol=1e-5)

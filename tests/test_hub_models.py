@@ -106,8 +106,10 @@ def test_serve_with_an_id_not_in_the_cache_stops_with_the_reason(hub_cache, tmp_
     from tests.service_utils import REPO
 
     env = dict(os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    # its own HTTP port too: the default one may be taken by another server on the machine
     out = subprocess.run([sys.executable, "-m", "pagewire.cli", "serve", "--model", "nobody/nothing", "--listen",
-                          f"127.0.0.1:{free_port()}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                          f"127.0.0.1:{free_port()}", "--http-listen", f"127.0.0.1:{free_port()}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "model 'nobody/nothing' is not in the Hugging Face cache" in out.stderr
     assert "exited with code 2 before it was ready; stopping" in out.stderr and "Traceback" not in out.stderr

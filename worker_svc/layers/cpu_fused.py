@@ -1,11 +1,13 @@
-"""Fused RMSNorm and SiLU-and-multiply for float32 activations on CPU (``csrc/cpu_fused.c``).
+"""Fused RMSNorm, SiLU-and-multiply and rotary embedding for float32 activations on CPU
+(``csrc/cpu_fused.c``).
 
 At decode sizes each is a handful of torch operators, each a pass over memory and, past torch's
 grain size, an OpenMP region whose barrier waits on any thread another process preempted (the
 scheduler and API servers share the cores). The C versions make one pass, on one thread unless the
-step is large. :func:`use_fused_cpu_kernels` switches a loaded model's :class:`RMSNorm` and SiLU
-:class:`ActAndMul` layers to them; :func:`rms_norm_ref` and :func:`silu_mul_ref` are the torch
-computations they are held to.
+step is large. :func:`use_fused_cpu_kernels` switches a loaded model's :class:`RMSNorm`, SiLU
+:class:`ActAndMul` and rotary attention layers to them; :func:`rms_norm_ref`, :func:`silu_mul_ref`
+and ``layers.rotary.apply_rotary`` are the torch computations they are held to (the rotary one
+to the bit: the same products and sums, rounded alike).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from worker_svc.layers.activation import ActAndMul
 from worker_svc.layers.norms import RMSNorm
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_fused.c"
-_ABI = 1
+_ABI = 2
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,6 +49,9 @@ class FusedKernels:
         self._silu_mul = lib.silu_mul_f32
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [p, i64, p, i64, i64]
+        self._rotary = lib.rotary_f32
+        self._rotary.restype = None
+        self._rotary.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, i64]
         self.simd = bool(lib.fused_simd())
 
     @staticmethod
@@ -76,6 +81,23 @@ class FusedKernels:
         return out.view(*gate_up.shape[:-1], n)
 
 
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Rotate q [T, Hq, D] and k [T, Hk, D] in place by cos, sin [T, 1, D / 2] (from
+        ``RotaryEmbedding``), as ``apply_rotary`` does. Returns False, with nothing done, for a
+        layout it does not take (not float32 on CPU, heads not contiguous in a row): then call
+        ``apply_rotary``."""
+        num_tokens, _, head_dim = q.shape
+        if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, cos, sin)):
+            return False
+        if any(t.stride(2) != 1 or t.stride(1) != head_dim for t in (q, k)) or head_dim % 2:
+            return False
+        if cos.shape != (num_tokens, 1, head_dim // 2) or not (cos.is_contiguous() and sin.is_contiguous()):
+            return False
+        self._rotary(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], head_dim,
+                     cos.data_ptr(), sin.data_ptr(), num_tokens)
+        return True
+
+
 @functools.cache
 def kernel() -> FusedKernels | None:
     """The kernels, built on first call; None (after one warning) when they cannot be built."""
@@ -84,8 +106,8 @@ def kernel() -> FusedKernels | None:
 
 
 def use_fused_cpu_kernels(model: nn.Module) -> int:
-    """Point the RMSNorm and SiLU ActAndMul layers of a model that computes in float32 on CPU at the
-    fused kernels. Returns how many layers now use them (0 without an AVX2 build of the kernels,
+    """Point the RMSNorm, SiLU ActAndMul and rotary attention layers of a model that computes in
+    float32 on CPU at the fused kernels. Returns how many layers now use them (0 without an AVX2 build of the kernels,
     where torch's vectorized operators are the faster choice)."""
     lib = kernel()
     if lib is None or not lib.simd:
@@ -97,5 +119,8 @@ def use_fused_cpu_kernels(model: nn.Module) -> int:
             switched += 1
         elif isinstance(module, ActAndMul) and module.act is F.silu:
             module.cpu_kernels = lib
+            switched += 1
+        elif hasattr(module, "rotary_kernels"):  # an attention layer that applies the rotary embedding
+            module.rotary_kernels = lib
             switched += 1
     return switched

@@ -42,6 +42,9 @@ _STACKED = {
 
 
 class LlamaAttention(nn.Module):
+    # fused CPU kernels that rotate q and k in place (set by layers.cpu_fused.use_fused_cpu_kernels)
+    rotary_kernels = None
+
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         # this rank's query heads and the KV heads they use
@@ -69,8 +72,9 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.heads(q.view(num_tokens, self.num_heads, self.head_dim),  # [T, H, D]
                           k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.rotary_kernels is None or not self.rotary_kernels.rotary(q, k, cos, sin):  # else rotated in place
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_layer, meta))
 

@@ -1,4 +1,5 @@
-/* Fused element-wise steps of a decoder layer on CPU, float32: RMSNorm and act(gate) * up with SiLU.
+/* Fused element-wise steps of a decoder layer on CPU, float32: RMSNorm, act(gate) * up with SiLU, and
+ * the rotary embedding of queries and keys.
  *
  * At decode sizes (a few dozen rows) each of these is a handful of torch operators, each a pass
  * over memory and, past torch's grain size, an OpenMP parallel region whose barrier waits for a
@@ -100,8 +101,44 @@ void silu_mul_f32(const float *gate_up, int64_t stride, float *y, int64_t rows, 
     }
 }
 
+/* Rotary embedding in place, HF's rotate_half convention: for each token t and head, with halves
+ * x1, x2 of width half = head_dim / 2, x1' = x1 * cos - x2 * sin and x2' = x2 * cos + x1 * sin,
+ * each product and sum rounded as torch rounds them (no FMA). x [tokens, heads, head_dim] with
+ * heads contiguous in a row and rows x_stride apart; cos, sin [tokens, half] contiguous. */
+static void rotate_rows(float *x, int64_t x_stride, int64_t heads, int64_t half, const float *cos,
+                        const float *sin, int64_t tokens) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * x_stride + h * 2 * half, *x2 = x1 + half;
+            int64_t j = 0;
+#if HAVE_AVX2
+            for (; j + 8 <= half; j += 8) {
+                const __m256 a = _mm256_loadu_ps(x1 + j), b = _mm256_loadu_ps(x2 + j);
+                const __m256 cv = _mm256_loadu_ps(c + j), sv = _mm256_loadu_ps(s + j);
+                _mm256_storeu_ps(x1 + j, _mm256_sub_ps(_mm256_mul_ps(a, cv), _mm256_mul_ps(b, sv)));
+                _mm256_storeu_ps(x2 + j, _mm256_add_ps(_mm256_mul_ps(b, cv), _mm256_mul_ps(a, sv)));
+            }
+#endif
+            for (; j < half; j++) {
+                const float a = x1[j], b = x2[j];
+                const float ac = a * c[j], bs = b * s[j], bc = b * c[j], as = a * s[j];
+                x1[j] = ac - bs;
+                x2[j] = bc + as;
+            }
+        }
+    }
+}
+
+/* Queries and keys of one step, both in place. */
+void rotary_f32(float *q, int64_t q_stride, int64_t q_heads, float *k, int64_t k_stride, int64_t k_heads,
+                int64_t head_dim, const float *cos, const float *sin, int64_t tokens) {
+    rotate_rows(q, q_stride, q_heads, head_dim / 2, cos, sin, tokens);
+    rotate_rows(k, k_stride, k_heads, head_dim / 2, cos, sin, tokens);
+}
+
 /* 1 when built with AVX2/FMA, 0 for the portable build. */
 int fused_simd(void) { return HAVE_AVX2; }
 
 /* The ABI version worker_svc/layers/cpu_fused.py expects; bump it when a signature changes. */
-int pagewire_cpu_fused_abi(void) { return 1; }
+int pagewire_cpu_fused_abi(void) { return 2; }
