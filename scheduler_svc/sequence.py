@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagewire_common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_svc.running_batch import RunningBatch
 
 
 class SequenceStatus(enum.Enum):
@@ -40,18 +44,24 @@ class Sequence:
     # (token ids, logprobs) of the most likely tokens at each generated position, when asked
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0
-    num_pending_tokens: int = 0
     # prompt tokens served from the prefix cache at first admission (reported in usage)
     num_cached_prompt_tokens: int | None = None
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     # whether the worker holds state for this sequence (it was sent as a NewSequence and not dropped)
     is_known_to_worker: bool = False
-    # how many tokens the allocator has slots for (its view of the sequence's length)
-    num_slot_tokens: int = 0
-    # full blocks already offered to the prefix cache (cache_blocks is called only when one fills)
-    num_hashed_blocks: int = 0
+    # while running: the scheduler's RunningBatch and this sequence's row there, which then holds the
+    # counters behind num_computed_tokens, num_pending_tokens, num_slot_tokens and num_hashed_blocks
+    batch: RunningBatch | None = field(default=None, repr=False)
+    slot: int = -1
+    # the counters while not running (see the properties)
+    _num_computed_tokens: int = 0
+    _num_pending_tokens: int = 0
+    _num_slot_tokens: int = 0
+    _num_hashed_blocks: int = 0
+    # where the driver sends this sequence's tokens ((API server, request) in the core); carried
+    # into the RunningBatch so that a step's tokens are grouped by it without a loop over objects
+    route: tuple[int, int] = (-1, 0)
     # set by Scheduler.add, so the per-token stop check is one set lookup and one
     # comparison: token ids that end the sequence (EOS unless ignore_eos, and stop_token_ids)...
     stop_token_set: frozenset[int] = frozenset()
@@ -70,6 +80,62 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose K/V the worker has written or will have written once the plans sent run."""
+        batch = self.batch
+        return self._num_computed_tokens if batch is None else batch.computed_view[self.slot]
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        batch = self.batch
+        if batch is None:
+            self._num_computed_tokens = value
+        else:
+            batch.computed_view[self.slot] = value
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens sampled by steps whose results have not arrived yet."""
+        batch = self.batch
+        return self._num_pending_tokens if batch is None else batch.pending_view[self.slot]
+
+    @num_pending_tokens.setter
+    def num_pending_tokens(self, value: int) -> None:
+        batch = self.batch
+        if batch is None:
+            self._num_pending_tokens = value
+        else:
+            batch.pending_view[self.slot] = value
+
+    @property
+    def num_slot_tokens(self) -> int:
+        """How many tokens the allocator has slots for (its view of the sequence's length)."""
+        batch = self.batch
+        return self._num_slot_tokens if batch is None else batch.slot_tokens_view[self.slot]
+
+    @num_slot_tokens.setter
+    def num_slot_tokens(self, value: int) -> None:
+        batch = self.batch
+        if batch is None:
+            self._num_slot_tokens = value
+        else:
+            batch.slot_tokens_view[self.slot] = value
+
+    @property
+    def num_hashed_blocks(self) -> int:
+        """Full blocks already offered to the prefix cache (cache_blocks is called only when one fills)."""
+        batch = self.batch
+        return self._num_hashed_blocks if batch is None else batch.hashed_view[self.slot]
+
+    @num_hashed_blocks.setter
+    def num_hashed_blocks(self, value: int) -> None:
+        batch = self.batch
+        if batch is None:
+            self._num_hashed_blocks = value
+        else:
+            batch.hashed_view[self.slot] = value
 
     @property
     def num_prompt_tokens(self) -> int:
