@@ -47,7 +47,8 @@ class Scheduler:
         # plain decodes scheduled and updated over the batch's arrays (off: every sequence takes
         # the per-sequence path, which gives the same plans; tests compare the two)
         self.fast_decode = fast_decode
-        # every token id that ends some sequence: a decode's token outside it ends none
+        # every token id that ends some sequence added so far (sorted): a decode's token outside it
+        # ends none (it only grows: a stale id sends a few tokens down the per-sequence path)
         self._stop_ids: set[int] = set()
         self._stop_id_array = np.zeros(0, dtype=np.int64)
         self.seqs: dict[int, Sequence] = {}
@@ -231,59 +232,28 @@ class Scheduler:
         if not len(order):
             return budget
         computed, pending, known = batch.computed[order], batch.pending[order], batch.known[order]
-        limit = batch.limit[order]
         total = known + pending
         num_new = total - computed
         # nothing to compute, or a token still in flight already ends the sequence (another one
         # would only be thrown away)
         skip = (num_new <= 0) | ((pending > 0) & (total >= batch.max_tokens[order]))
         decode = ~skip & (num_new == 1) if self.fast_decode else np.zeros(len(order), dtype=bool)
-        plain = decode & (computed < limit)
-        # a decode into a fresh block: its blocks are all full (their capacity is the limit)
-        rollover = decode & (computed == limit) & (batch.slot_tokens[order] == limit) & (limit % self._block_size == 0)
-        events = np.flatnonzero(~skip & ~plain)  # rollovers and rows of the per-sequence path
+        plain = decode & (computed < batch.limit[order])
+        events = np.flatnonzero(~skip & ~plain)  # rows taken one by one
         if self._caching:
             offers = np.flatnonzero(plain & (known // self._block_size > batch.hashed[order]))
             if len(offers):
                 events = np.sort(np.concatenate((events, offers)))
-        rank = np.cumsum(plain, dtype=np.int64) - plain  # plain decodes before each row: budget they take first
-        used = 0  # budget taken by the rows handled one by one
-        end = len(order)  # preemption takes sequences off the end
         scheduled: list[tuple[int, int, int, list[int]]] = []  # (row, tokens, block_table_start, new block ids)
-        rolled: list[int] = []  # rows of decodes that took a fresh block
-        allocator, block_size = self.allocator, self._block_size
-        for pos, slot, is_plain, is_rollover, num_before in zip(
-                events.tolist(), order[events].tolist(), plain[events].tolist(), rollover[events].tolist(),
-                rank[events].tolist()):
-            if pos >= end or num_before >= budget - used:
-                break  # preempted, or the budget ran out before this row
-            seq = batch.seqs[slot]
-            if is_plain:  # a plain decode that completes a block: offer it now, in order
-                allocator.grow_in_place(seq.seq_id, seq.num_computed_tokens + 1)
-                self._offer_blocks(seq, batch.known_view[slot])
-                continue
-            if is_rollover:
-                block_id = allocator.append_block(seq.seq_id)
-                if block_id is not None:
-                    num_blocks = batch.limit_view[slot] // block_size
-                    batch.limit_view[slot] += block_size
-                    batch.slot_tokens_view[slot] += 1
-                    self._offer_blocks(seq, batch.known_view[slot])
-                    scheduled.append((pos, 1, num_blocks, [block_id]))
-                    rolled.append(pos)
-                    used += 1
-                    continue
-            step = self._schedule_one(seq, budget - num_before - used)
-            end = len(self.running)
-            if seq.batch is None:
-                break  # seq itself was preempted, and it was the newest: nothing after it
-            if step is not None:
-                num, growth = step
-                scheduled.append((pos, num, growth.block_table_start, list(growth.block_ids)))
-                plan.block_copies.extend(growth.copies)
-                used += num
+        if len(events):
+            rank = np.cumsum(plain, dtype=np.int64) - plain  # plain decodes before each row: the budget they take
+            used, end, rolled = self._schedule_events(plan, budget, order, events, decode[events], rank[events],
+                                                      scheduled)
+            rows = np.flatnonzero(plain[:end] & (rank[:end] < budget - used))
+        else:
+            used, rolled = 0, []
+            rows = np.flatnonzero(plain)[:budget]
         # the plain decodes within the budget, and the rollovers: one token each
-        rows = np.flatnonzero(plain[:end] & (rank[:end] < budget - used))
         num_plain = len(rows)
         if rolled:
             rows = np.concatenate((rows, rolled))
@@ -291,11 +261,9 @@ class Scheduler:
         new_computed = computed[rows] + 1
         batch.computed[slots] = new_computed
         batch.pending[slots] = pending[rows] + 1  # the worker samples a token this step
-        grown = new_computed > batch.slot_tokens[slots]
-        if grown.any():
-            grown_slots = slots[grown]
-            batch.slot_tokens[grown_slots] = new_computed[grown]
-            allocator.grow_in_place_many(batch.seq_id[grown_slots].tolist(), new_computed[grown].tolist())
+        num_slot_tokens = np.maximum(batch.slot_tokens[slots], new_computed)
+        batch.slot_tokens[slots] = num_slot_tokens
+        self.allocator.grow_in_place_many(batch.seq_id[slots].tolist(), num_slot_tokens.tolist())
         counts = np.ones(len(rows), dtype=np.int64)
         if scheduled:
             rows = np.concatenate((rows[:num_plain], [pos for pos, _, _, _ in scheduled]))
@@ -308,6 +276,52 @@ class Scheduler:
         plan.running_seq_ids = batch.seq_id[order[rows]]
         plan.running_num_scheduled_tokens = counts
         return budget - num_plain - used
+
+    def _schedule_events(self, plan: StepPlan, budget: int, order: np.ndarray, events: np.ndarray,
+                         is_decode: np.ndarray, num_plain_before: np.ndarray,
+                         scheduled: list[tuple[int, int, int, list[int]]]) -> tuple[int, int, list[int]]:
+        """The rows of ``_schedule_running`` taken one by one, in running order (``events``: their
+        positions in ``order``): plain decodes that complete a block offer it to the prefix cache;
+        decodes whose blocks are all full take a fresh block; the rest go through ``_schedule_one``.
+        Appends what it schedules to ``scheduled``; returns the budget those rows took, how many
+        rows of ``order`` are still running (preemption takes them off the end), and the rows of
+        the rollovers (scheduled, and advanced by the caller with the plain decodes)."""
+        batch, allocator, block_size = self.batch, self.allocator, self._block_size
+        limits, computed = batch.limit_view, batch.computed_view
+        used = 0
+        end = len(order)
+        rolled: list[int] = []
+        for pos, slot, decode, num_before in zip(events.tolist(), order[events].tolist(), is_decode.tolist(),
+                                                 num_plain_before.tolist()):
+            if pos >= end or num_before >= budget - used:
+                break  # preempted, or the budget ran out before this row
+            seq = batch.seqs[slot]
+            limit = limits[slot]
+            if decode and computed[slot] < limit:  # a plain decode that completes a block: offer it now
+                allocator.grow_in_place(seq.seq_id, computed[slot] + 1)
+                self._offer_blocks(seq, batch.known_view[slot])
+                continue
+            if decode and computed[slot] == limit == batch.slot_tokens_view[slot] and limit % block_size == 0:
+                # its blocks are all full: the next token goes into a fresh one
+                block_id = allocator.append_block(seq.seq_id)
+                if block_id is not None:
+                    limits[slot] = limit + block_size
+                    batch.slot_tokens_view[slot] = limit + 1
+                    self._offer_blocks(seq, batch.known_view[slot])
+                    scheduled.append((pos, 1, limit // block_size, [block_id]))
+                    rolled.append(pos)
+                    used += 1
+                    continue
+            step = self._schedule_one(seq, budget - num_before - used)
+            end = len(self.running)
+            if seq.batch is None:
+                break  # seq itself was preempted, and it was the newest: nothing after it
+            if step is not None:
+                num, growth = step
+                scheduled.append((pos, num, growth.block_table_start, list(growth.block_ids)))
+                plan.block_copies.extend(growth.copies)
+                used += num
+        return used, end, rolled
 
     def _schedule_one(self, seq: Sequence, budget: int) -> tuple[int, AppendResult] | None:
         """A running sequence's slice of ``budget`` (> 0), blocks included: (tokens, growth), or
@@ -454,10 +468,13 @@ class Scheduler:
         slots = batch.slots_of(seq_ids)
         if self.fast_decode and len(slots):
             at = np.maximum(slots, 0)
-            plain = ((slots >= 0) & (batch.pending[at] > 0) & ~batch.slow_update[at]
-                     & (batch.known[at] + 1 < batch.max_tokens[at]) & ~np.isin(token_ids, self._stop_id_array))
+            plain = (slots >= 0) & (batch.pending[at] > 0) & (batch.known[at] + 1 < batch.max_tokens[at])
+            plain &= ~batch.slow_update[at]
+            stop_ids = self._stop_id_array  # sorted; searchsorted is cheaper than np.isin
+            if len(stop_ids):
+                plain &= stop_ids[np.minimum(np.searchsorted(stop_ids, token_ids), len(stop_ids) - 1)] != token_ids
             plain_rows = np.flatnonzero(plain)
-            other_rows = np.flatnonzero(~plain).tolist()
+            other_rows = [] if len(plain_rows) == len(slots) else np.flatnonzero(~plain).tolist()
         else:
             plain_rows = np.zeros(0, dtype=np.int64)
             other_rows = range(len(slots))
@@ -466,16 +483,15 @@ class Scheduler:
         if len(plain_rows):
             batch.pending[plain_slots] -= 1
             batch.known[plain_slots] += 1
-            lists = batch.token_lists
-            for tokens, token_id in zip([lists[slot] for slot in plain_slots.tolist()], plain_tokens.tolist()):
-                tokens.append(token_id)
+            for _ in map(list.append, map(batch.token_lists.__getitem__, plain_slots.tolist()), plain_tokens.tolist()):
+                pass
         touched_rows: list[int] = []
         touched: list[Sequence] = []
         seqs = self.seqs
         logprobs = result.logprobs
         num_top = result.num_top_logprobs
-        seq_id_list = seq_ids.tolist()
-        token_id_list = token_ids.tolist()
+        seq_id_list = seq_ids.tolist() if other_rows else []
+        token_id_list = token_ids.tolist() if other_rows else []
         for i in other_rows:
             seq = seqs.get(seq_id_list[i])
             if seq is None or seq.num_pending_tokens == 0:
