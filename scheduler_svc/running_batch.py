@@ -68,9 +68,9 @@ class RunningBatch:
             if old:
                 array[:old] = getattr(self, name)
             setattr(self, name, array)
-        # Python-int views of the counters, which Sequence's properties use (numpy indexing would
-        # give numpy ints)
-        for name in (*COUNTERS.values(), "known", "limit"):
+        # Python-int views (``<name>_view``) for the per-sequence path, Sequence's properties among
+        # them: indexing a numpy array gives numpy ints, and costs three times as much
+        for name in _INT_FIELDS:
             setattr(self, f"{name}_view", memoryview(getattr(self, name)))
         if old:
             self.seqs.extend([None] * (capacity - old))
@@ -87,13 +87,13 @@ class RunningBatch:
             self._grow(2 * self.capacity)
         slot = self._free.pop()
         for attr, name in COUNTERS.items():
-            getattr(self, name)[slot] = getattr(seq, attr)
-        self.seq_id[slot] = seq.seq_id
-        self.known[slot] = len(seq.token_ids)
-        self.limit[slot] = growth_limit
-        self.max_tokens[slot] = seq.max_num_tokens
-        self.num_prompt[slot] = seq.num_prompt_tokens
-        self.route_client[slot], self.route_rid[slot] = route
+            getattr(self, f"{name}_view")[slot] = getattr(seq, attr)
+        self.seq_id_view[slot] = seq.seq_id
+        self.known_view[slot] = len(seq.token_ids)
+        self.limit_view[slot] = growth_limit
+        self.max_tokens_view[slot] = seq.max_num_tokens
+        self.num_prompt_view[slot] = seq.num_prompt_tokens
+        self.route_client_view[slot], self.route_rid_view[slot] = route
         self.slow_update[slot] = bool(seq.sampling.logprobs or seq.sampling.top_logprobs)
         self.alive[slot] = True
         self.seqs[slot] = seq
@@ -119,7 +119,7 @@ class RunningBatch:
         seq.slot = -1
         seq.batch = None
         for attr, name in COUNTERS.items():
-            setattr(seq, attr, int(getattr(self, name)[slot]))
+            setattr(seq, attr, getattr(self, f"{name}_view")[slot])
 
     def order(self) -> np.ndarray:
         """The slots in running order (int64). Call once per step, before reading rows."""
