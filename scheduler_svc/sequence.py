@@ -24,6 +24,25 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled by the client, or failed
 
 
+def _counter(own: str, array: str, doc: str) -> property:
+    """A counter of a Sequence: its attribute ``own`` while it is not running, the RunningBatch's
+    array ``array`` at its slot while it is (through the batch's memoryview of it)."""
+    view = f"{array}_view"
+
+    def get(seq: "Sequence") -> int:
+        batch = seq.batch
+        return getattr(seq, own) if batch is None else getattr(batch, view)[seq.slot]
+
+    def set_(seq: "Sequence", value: int) -> None:
+        batch = seq.batch
+        if batch is None:
+            setattr(seq, own, value)
+        else:
+            getattr(batch, view)[seq.slot] = value
+
+    return property(get, set_, doc=doc)
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One request's tokens and progress.
@@ -81,61 +100,14 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens whose K/V the worker has written or will have written once the plans sent run."""
-        batch = self.batch
-        return self._num_computed_tokens if batch is None else batch.computed_view[self.slot]
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        batch = self.batch
-        if batch is None:
-            self._num_computed_tokens = value
-        else:
-            batch.computed_view[self.slot] = value
-
-    @property
-    def num_pending_tokens(self) -> int:
-        """Tokens sampled by steps whose results have not arrived yet."""
-        batch = self.batch
-        return self._num_pending_tokens if batch is None else batch.pending_view[self.slot]
-
-    @num_pending_tokens.setter
-    def num_pending_tokens(self, value: int) -> None:
-        batch = self.batch
-        if batch is None:
-            self._num_pending_tokens = value
-        else:
-            batch.pending_view[self.slot] = value
-
-    @property
-    def num_slot_tokens(self) -> int:
-        """How many tokens the allocator has slots for (its view of the sequence's length)."""
-        batch = self.batch
-        return self._num_slot_tokens if batch is None else batch.slot_tokens_view[self.slot]
-
-    @num_slot_tokens.setter
-    def num_slot_tokens(self, value: int) -> None:
-        batch = self.batch
-        if batch is None:
-            self._num_slot_tokens = value
-        else:
-            batch.slot_tokens_view[self.slot] = value
-
-    @property
-    def num_hashed_blocks(self) -> int:
-        """Full blocks already offered to the prefix cache (cache_blocks is called only when one fills)."""
-        batch = self.batch
-        return self._num_hashed_blocks if batch is None else batch.hashed_view[self.slot]
-
-    @num_hashed_blocks.setter
-    def num_hashed_blocks(self, value: int) -> None:
-        batch = self.batch
-        if batch is None:
-            self._num_hashed_blocks = value
-        else:
-            batch.hashed_view[self.slot] = value
+    num_computed_tokens = _counter("_num_computed_tokens", "computed", "Tokens whose K/V the worker has written or "
+                                   "will have written once the plans sent run.")
+    num_pending_tokens = _counter("_num_pending_tokens", "pending", "Tokens sampled by steps whose results have not "
+                                  "arrived yet.")
+    num_slot_tokens = _counter("_num_slot_tokens", "slot_tokens", "How many tokens the allocator has slots for (its "
+                               "view of the sequence's length).")
+    num_hashed_blocks = _counter("_num_hashed_blocks", "hashed", "Full blocks already offered to the prefix cache "
+                                 "(cache_blocks is called only when one fills).")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,21 +14,7 @@ from pagewire_common.plan import RunningSequence, StepPlan
 from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineCore, WorkerInfo
-from tests.fake_worker import EOS, VOCAB, FakeKVWorker
-
-
-class LaggingLink:
-    """Runs a plan when its result is read, so that a second plan is built before the first ran."""
-
-    def __init__(self, worker: FakeKVWorker):
-        self.worker = worker
-        self.sent = []
-
-    def send(self, plan):
-        self.sent.append(plan)
-
-    def receive(self):
-        return self.worker.execute(self.sent.pop(0))
+from tests.fake_worker import EOS, VOCAB, FakeKVWorker, LaggingLink
 
 
 def make_engine(fast: bool, *, num_blocks: int, block_size: int, budget: int, prefix: bool, max_num_seqs: int):
