@@ -106,8 +106,8 @@ def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vo
     servers, the core and the offline API all call this one function."""
     if not token_ids:
         raise ValueError("prompt_token_ids is empty")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # min/max: no Python loop per token
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
     sampling.validate()
     bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
