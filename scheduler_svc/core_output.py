@@ -157,7 +157,7 @@ def deliver(step: StepTokens, owners: dict[str, _Owner], clients: dict[int, ApiC
                 client.out_token_arrays.append(tokens[mine])
             touched.add(client)
         # a request's first token: the API server learns how much of its prompt was cached
-        for i in np.flatnonzero(batch.known[slots] == batch.num_prompt[slots] + 1).tolist():
+        for i in (batch.known[slots] == batch.num_prompt[slots] + 1).nonzero()[0].tolist():
             client = clients.get(int(client_ids[i]))
             if client is not None:
                 client.started_rids.append(int(rids[i]))

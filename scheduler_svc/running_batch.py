@@ -36,6 +36,9 @@ COUNTERS = {"_num_computed_tokens": "computed", "_num_pending_tokens": "pending"
 
 
 class RunningBatch:
+    """The slots of the running sequences (the module docstring states the invariants). Grows by
+    doubling; ``Scheduler`` adds a sequence when it starts running and removes it when it stops."""
+
     def __init__(self, capacity: int = 64):
         self.capacity = 0
         self._grow(capacity)
@@ -136,7 +139,7 @@ class RunningBatch:
     def slots_of(self, seq_ids: np.ndarray) -> np.ndarray:
         """The slot of each sequence id, -1 for ids not running."""
         if self._lookup is None:
-            live = np.flatnonzero(self.alive)
+            live = self.alive.nonzero()[0]
             ids = self.seq_id[live]
             by_id = np.argsort(ids)
             self._lookup = (ids[by_id], live[by_id])

@@ -22,8 +22,12 @@ from scheduler_svc.running_batch import RunningBatch, StepTokens
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 
 _NO_GROWTH = AppendResult(block_table_start=0, block_ids=[], copies=[])
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 # the smallest prompt share of a paced step: short prompts go through in one step
 PACING_MIN_TOKENS = 16
+# below this many running sequences (or results), a step takes them one by one: the array
+# operations cost more per step than they save
+FAST_DECODE_MIN_ROWS = 32
 
 
 class Scheduler:
@@ -47,6 +51,7 @@ class Scheduler:
         # plain decodes scheduled and updated over the batch's arrays (off: every sequence takes
         # the per-sequence path, which gives the same plans; tests compare the two)
         self.fast_decode = fast_decode
+        self.fast_decode_min_rows = FAST_DECODE_MIN_ROWS
         # every token id that ends some sequence added so far (sorted): a decode's token outside it
         # ends none (it only grows: a stale id sends a few tokens down the per-sequence path)
         self._stop_ids: set[int] = set()
@@ -226,22 +231,23 @@ class Scheduler:
         the batch's arrays. A decode whose blocks are full takes a fresh block, and a decode that
         completes a block offers it to the prefix cache, one by one; prompt chunks and the rest go
         through ``_schedule_one``. Both in running order, as a loop over ``running`` would: an
-        allocation may evict a cached block whose hash a later offer registers again."""
+        allocation may evict a cached block whose hash a later offer registers again. With fewer
+        than ``fast_decode_min_rows`` sequences running, ``_schedule_each`` loops over them instead."""
         batch = self.batch
         order = batch.order()
-        if not len(order):
-            return budget
+        if not self.fast_decode or len(order) < self.fast_decode_min_rows:
+            return self._schedule_each(plan, budget)
         computed, pending, known = batch.computed[order], batch.pending[order], batch.known[order]
         total = known + pending
         num_new = total - computed
         # nothing to compute, or a token still in flight already ends the sequence (another one
         # would only be thrown away)
         skip = (num_new <= 0) | ((pending > 0) & (total >= batch.max_tokens[order]))
-        decode = ~skip & (num_new == 1) if self.fast_decode else np.zeros(len(order), dtype=bool)
+        decode = ~skip & (num_new == 1)
         plain = decode & (computed < batch.limit[order])
-        events = np.flatnonzero(~skip & ~plain)  # rows taken one by one
+        events = (~skip & ~plain).nonzero()[0]  # rows taken one by one
         if self._caching:
-            offers = np.flatnonzero(plain & (known // self._block_size > batch.hashed[order]))
+            offers = (plain & (known // self._block_size > batch.hashed[order])).nonzero()[0]
             if len(offers):
                 events = np.sort(np.concatenate((events, offers)))
         scheduled: list[tuple[int, int, int, list[int]]] = []  # (row, tokens, block_table_start, new block ids)
@@ -249,10 +255,10 @@ class Scheduler:
             rank = np.cumsum(plain, dtype=np.int64) - plain  # plain decodes before each row: the budget they take
             used, end, rolled = self._schedule_events(plan, budget, order, events, decode[events], rank[events],
                                                       scheduled)
-            rows = np.flatnonzero(plain[:end] & (rank[:end] < budget - used))
+            rows = (plain[:end] & (rank[:end] < budget - used)).nonzero()[0]
         else:
             used, rolled = 0, []
-            rows = np.flatnonzero(plain)[:budget]
+            rows = plain.nonzero()[0][:budget]
         # the plain decodes within the budget, and the rollovers: one token each
         num_plain = len(rows)
         if rolled:
@@ -276,6 +282,37 @@ class Scheduler:
         plan.running_seq_ids = batch.seq_id[order[rows]]
         plan.running_num_scheduled_tokens = counts
         return budget - num_plain - used
+
+    def _schedule_each(self, plan: StepPlan, budget: int) -> int:
+        """``_schedule_running`` as a loop over ``running``, every row through ``_schedule_one``: for
+        a few sequences, cheaper than the array operations' fixed cost per step."""
+        running = self.running
+        seq_ids: list[int] = []
+        counts: list[int] = []
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            pending = seq.num_pending_tokens
+            num_tokens = len(seq.token_ids) + pending
+            # nothing to compute, or a token still in flight already ends the sequence
+            if num_tokens <= seq.num_computed_tokens or (pending and num_tokens >= seq.max_num_tokens):
+                i += 1
+                continue
+            step = self._schedule_one(seq, budget)
+            if seq.batch is None:
+                break  # seq itself was preempted, and it was the newest: nothing after it
+            if step is not None:
+                num, growth = step
+                if growth.block_ids:
+                    plan.block_updates.append((len(seq_ids), growth.block_table_start, list(growth.block_ids)))
+                    plan.block_copies.extend(growth.copies)
+                seq_ids.append(seq.seq_id)
+                counts.append(num)
+                budget -= num
+            i += 1
+        plan.running_seq_ids = np.array(seq_ids, dtype=np.int64)
+        plan.running_num_scheduled_tokens = np.array(counts, dtype=np.int64)
+        return budget
 
     def _schedule_events(self, plan: StepPlan, budget: int, order: np.ndarray, events: np.ndarray,
                          is_decode: np.ndarray, num_plain_before: np.ndarray,
@@ -462,36 +499,36 @@ class Scheduler:
         """``update``, with the plain decodes' tokens left as arrays: a token for a running
         sequence that does not end it (no stop token, not its last) and asks for no logprobs is
         appended over the batch's arrays; the rest take the per-sequence path."""
-        seq_ids = np.asarray(result.seq_ids, dtype=np.int64)
-        token_ids = np.asarray(result.token_ids, dtype=np.int64)
         batch = self.batch
-        slots = batch.slots_of(seq_ids)
-        if self.fast_decode and len(slots):
+        seq_id_list, token_id_list = result.seq_ids, result.token_ids
+        if self.fast_decode and len(seq_id_list) >= self.fast_decode_min_rows:
+            seq_ids = np.asarray(seq_id_list, dtype=np.int64)
+            token_ids = np.asarray(token_id_list, dtype=np.int64)
+            slots = batch.slots_of(seq_ids)
             at = np.maximum(slots, 0)
             plain = (slots >= 0) & (batch.pending[at] > 0) & (batch.known[at] + 1 < batch.max_tokens[at])
             plain &= ~batch.slow_update[at]
             stop_ids = self._stop_id_array  # sorted; searchsorted is cheaper than np.isin
             if len(stop_ids):
                 plain &= stop_ids[np.minimum(np.searchsorted(stop_ids, token_ids), len(stop_ids) - 1)] != token_ids
-            plain_rows = np.flatnonzero(plain)
-            other_rows = [] if len(plain_rows) == len(slots) else np.flatnonzero(~plain).tolist()
-        else:
-            plain_rows = np.zeros(0, dtype=np.int64)
-            other_rows = range(len(slots))
-        plain_slots = slots[plain_rows]
-        plain_tokens = token_ids[plain_rows]
-        if len(plain_rows):
+            plain_rows = plain.nonzero()[0]
+            plain_slots = slots[plain_rows]
+            plain_tokens = token_ids[plain_rows]
             batch.pending[plain_slots] -= 1
             batch.known[plain_slots] += 1
             for _ in map(list.append, map(batch.token_lists.__getitem__, plain_slots.tolist()), plain_tokens.tolist()):
                 pass
+            other_rows = [] if len(plain_rows) == len(slots) else (~plain).nonzero()[0].tolist()
+            if other_rows:
+                seq_id_list, token_id_list = seq_ids.tolist(), token_ids.tolist()
+        else:
+            plain_rows = plain_slots = plain_tokens = _NO_ROWS
+            other_rows = range(len(seq_id_list))
         touched_rows: list[int] = []
         touched: list[Sequence] = []
         seqs = self.seqs
         logprobs = result.logprobs
         num_top = result.num_top_logprobs
-        seq_id_list = seq_ids.tolist() if other_rows else []
-        token_id_list = token_ids.tolist() if other_rows else []
         for i in other_rows:
             seq = seqs.get(seq_id_list[i])
             if seq is None or seq.num_pending_tokens == 0:
@@ -501,7 +538,7 @@ class Scheduler:
             tokens = seq.token_ids
             tokens.append(token_id)
             if seq.batch is not None:
-                seq.batch.known[seq.slot] += 1
+                seq.batch.known_view[seq.slot] += 1
             if logprobs is not None and seq.sampling.logprobs:
                 seq.logprobs.append(logprobs[i])
             if num_top and seq.sampling.top_logprobs:

@@ -73,11 +73,11 @@ class Sequence:
     # counters behind num_computed_tokens, num_pending_tokens, num_slot_tokens and num_hashed_blocks
     batch: RunningBatch | None = field(default=None, repr=False)
     slot: int = -1
-    # the counters while not running (see the properties)
-    _num_computed_tokens: int = 0
-    _num_pending_tokens: int = 0
-    _num_slot_tokens: int = 0
-    _num_hashed_blocks: int = 0
+    # the counters while not running (see the properties; stale while running, so not in the repr)
+    _num_computed_tokens: int = field(default=0, repr=False)
+    _num_pending_tokens: int = field(default=0, repr=False)
+    _num_slot_tokens: int = field(default=0, repr=False)
+    _num_hashed_blocks: int = field(default=0, repr=False)
     # where the driver sends this sequence's tokens ((API server, request) in the core); carried
     # into the RunningBatch so that a step's tokens are grouped by it without a loop over objects
     route: tuple[int, int] = (-1, 0)

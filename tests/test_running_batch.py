@@ -14,6 +14,7 @@ from pagewire_common.plan import RunningSequence, StepPlan
 from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineCore, WorkerInfo
+from scheduler_svc.scheduler import FAST_DECODE_MIN_ROWS
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, LaggingLink
 
 
@@ -24,6 +25,7 @@ def make_engine(fast: bool, *, num_blocks: int, block_size: int, budget: int, pr
                              enable_prefix_caching=prefix)
     engine = EngineCore(config, info, worker)
     engine.scheduler.fast_decode = fast
+    engine.scheduler.fast_decode_min_rows = 1  # the arrays even for a single sequence
     return engine, LaggingLink(worker)
 
 
@@ -50,11 +52,13 @@ def random_request(rng: random.Random, prompts: list[list[int]]) -> tuple[list[i
     return prompt, params
 
 
-def run_workload(fast: bool, seed: int, depth: int, **engine_args):
+def run_workload(fast: bool, seed: int, depth: int, threshold: int | None = 1, **engine_args):
     """Drive one engine through a random workload; returns every plan, every output and the
-    allocator state after every step."""
+    allocator state after every step (``threshold``: the scheduler's fast_decode_min_rows, None
+    for its default)."""
     rng = random.Random(seed)
     engine, link = make_engine(fast, **engine_args)
+    engine.scheduler.fast_decode_min_rows = FAST_DECODE_MIN_ROWS if threshold is None else threshold
     prompts: list[list[int]] = []
     plans, outputs, states = [], [], []
     live: set[str] = set()
@@ -140,3 +144,14 @@ def test_step_plan_rows_as_objects_and_arrays_agree():
     same = StepPlan(1, running_seq_ids=np.array([3, 5]), running_num_scheduled_tokens=[1, 4],
                     block_updates=[(1, 2, [7, 8])])
     assert same == plan
+
+
+def test_small_batches_take_the_loop_and_agree():
+    """Under ``fast_decode_min_rows`` running sequences (or results) a step is a loop over them,
+    since the array operations' fixed cost is more than they save; plans, outputs and allocator
+    state stay the same whichever way a step goes."""
+    args = dict(num_blocks=48, block_size=4, budget=24, prefix=True, max_num_seqs=12)
+    arrays = run_workload(True, 3, 2, **args)
+    assert FAST_DECODE_MIN_ROWS > 12
+    assert run_workload(True, 3, 2, threshold=None, **args)[:3] == arrays[:3]
+    assert run_workload(True, 3, 2, threshold=6, **args)[:3] == arrays[:3]
