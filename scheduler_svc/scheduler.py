@@ -27,7 +27,7 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 PACING_MIN_TOKENS = 16
 # below this many running sequences (or results), a step takes them one by one: the array
 # operations cost more per step than they save
-FAST_DECODE_MIN_ROWS = 32
+FAST_DECODE_MIN_ROWS = 64
 
 
 class Scheduler:
@@ -236,7 +236,7 @@ class Scheduler:
         batch = self.batch
         order = batch.order()
         if not self.fast_decode or len(order) < self.fast_decode_min_rows:
-            return self._schedule_each(plan, budget)
+            return self._schedule_each(plan, budget, order)
         computed, pending, known = batch.computed[order], batch.pending[order], batch.known[order]
         total = known + pending
         num_new = total - computed
@@ -283,21 +283,46 @@ class Scheduler:
         plan.running_num_scheduled_tokens = counts
         return budget - num_plain - used
 
-    def _schedule_each(self, plan: StepPlan, budget: int) -> int:
-        """``_schedule_running`` as a loop over ``running``, every row through ``_schedule_one``: for
-        a few sequences, cheaper than the array operations' fixed cost per step."""
-        running = self.running
+    def _schedule_each(self, plan: StepPlan, budget: int, order: np.ndarray) -> int:
+        """``_schedule_running`` as a loop over the running sequences: for a few of them, cheaper
+        than the array operations' fixed cost per step. Plain decodes and rollovers are done here
+        (unless ``fast_decode`` is off), the rest in ``_schedule_one``."""
+        batch, allocator, block_size = self.batch, self.allocator, self._block_size
+        fast, caching = self.fast_decode, self._caching
+        computed, pending, known, limits = batch.computed_view, batch.pending_view, batch.known_view, batch.limit_view
+        slot_tokens, max_tokens, hashed = batch.slot_tokens_view, batch.max_tokens_view, batch.hashed_view
         seq_ids: list[int] = []
         counts: list[int] = []
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            pending = seq.num_pending_tokens
-            num_tokens = len(seq.token_ids) + pending
+        for slot in order.tolist():
+            seq = batch.seqs[slot]
+            if budget <= 0 or seq is None:
+                break  # the budget is spent, or preemption took this sequence and the rest
+            num_pending = pending[slot]
+            num_tokens = known[slot] + num_pending
+            num_computed = computed[slot]
             # nothing to compute, or a token still in flight already ends the sequence
-            if num_tokens <= seq.num_computed_tokens or (pending and num_tokens >= seq.max_num_tokens):
-                i += 1
+            if num_tokens <= num_computed or (num_pending and num_tokens >= max_tokens[slot]):
                 continue
+            if fast and num_tokens - num_computed == 1:
+                growth = None
+                plain = num_computed < limits[slot]
+                if plain:  # its slot exists or fits in its blocks
+                    if num_computed >= slot_tokens[slot]:
+                        slot_tokens[slot] = num_computed + 1
+                        allocator.grow_in_place(seq.seq_id, num_computed + 1)
+                    if caching and known[slot] // block_size > hashed[slot]:
+                        self._offer_blocks(seq, known[slot])
+                else:
+                    growth = self._roll_over(seq, slot)
+                if plain or growth is not None:
+                    computed[slot] = num_computed + 1
+                    pending[slot] = num_pending + 1  # the worker samples a token this step
+                    if growth is not None:
+                        plan.block_updates.append((len(seq_ids), *growth))
+                    seq_ids.append(seq.seq_id)
+                    counts.append(1)
+                    budget -= 1
+                    continue
             step = self._schedule_one(seq, budget)
             if seq.batch is None:
                 break  # seq itself was preempted, and it was the newest: nothing after it
@@ -309,10 +334,25 @@ class Scheduler:
                 seq_ids.append(seq.seq_id)
                 counts.append(num)
                 budget -= num
-            i += 1
         plan.running_seq_ids = np.array(seq_ids, dtype=np.int64)
         plan.running_num_scheduled_tokens = np.array(counts, dtype=np.int64)
         return budget
+
+    def _roll_over(self, seq: Sequence, slot: int) -> tuple[int, list[int]] | None:
+        """A decode whose blocks are all full takes a fresh block for its next token (and offers
+        the full ones to the prefix cache): ``(block_table_start, [block id])`` for the plan, or
+        None when its blocks are not all full or none is free (``_schedule_one`` then decides)."""
+        batch, block_size = self.batch, self._block_size
+        limit = batch.limit_view[slot]
+        if not (batch.computed_view[slot] == limit == batch.slot_tokens_view[slot] and limit % block_size == 0):
+            return None
+        block_id = self.allocator.append_block(seq.seq_id)
+        if block_id is None:
+            return None
+        batch.limit_view[slot] = limit + block_size
+        batch.slot_tokens_view[slot] = limit + 1
+        self._offer_blocks(seq, batch.known_view[slot])
+        return limit // block_size, [block_id]
 
     def _schedule_events(self, plan: StepPlan, budget: int, order: np.ndarray, events: np.ndarray,
                          is_decode: np.ndarray, num_plain_before: np.ndarray,
@@ -323,7 +363,7 @@ class Scheduler:
         Appends what it schedules to ``scheduled``; returns the budget those rows took, how many
         rows of ``order`` are still running (preemption takes them off the end), and the rows of
         the rollovers (scheduled, and advanced by the caller with the plain decodes)."""
-        batch, allocator, block_size = self.batch, self.allocator, self._block_size
+        batch, allocator = self.batch, self.allocator
         limits, computed = batch.limit_view, batch.computed_view
         used = 0
         end = len(order)
@@ -338,17 +378,11 @@ class Scheduler:
                 allocator.grow_in_place(seq.seq_id, computed[slot] + 1)
                 self._offer_blocks(seq, batch.known_view[slot])
                 continue
-            if decode and computed[slot] == limit == batch.slot_tokens_view[slot] and limit % block_size == 0:
-                # its blocks are all full: the next token goes into a fresh one
-                block_id = allocator.append_block(seq.seq_id)
-                if block_id is not None:
-                    limits[slot] = limit + block_size
-                    batch.slot_tokens_view[slot] = limit + 1
-                    self._offer_blocks(seq, batch.known_view[slot])
-                    scheduled.append((pos, 1, limit // block_size, [block_id]))
-                    rolled.append(pos)
-                    used += 1
-                    continue
+            if decode and (growth := self._roll_over(seq, slot)) is not None:
+                scheduled.append((pos, 1, *growth))
+                rolled.append(pos)
+                used += 1
+                continue
             step = self._schedule_one(seq, budget - num_before - used)
             end = len(self.running)
             if seq.batch is None:
@@ -529,16 +563,24 @@ class Scheduler:
         seqs = self.seqs
         logprobs = result.logprobs
         num_top = result.num_top_logprobs
+        pending, known = batch.pending_view, batch.known_view
         for i in other_rows:
             seq = seqs.get(seq_id_list[i])
-            if seq is None or seq.num_pending_tokens == 0:
+            if seq is None:
                 continue
+            slot = seq.slot
+            if seq.batch is None:  # not running (preempted with a token in flight)
+                if seq.num_pending_tokens == 0:
+                    continue
+                seq.num_pending_tokens -= 1
+            else:
+                if pending[slot] == 0:
+                    continue
+                pending[slot] -= 1
+                known[slot] += 1
             token_id = token_id_list[i]
-            seq.num_pending_tokens -= 1
             tokens = seq.token_ids
             tokens.append(token_id)
-            if seq.batch is not None:
-                seq.batch.known_view[seq.slot] += 1
             if logprobs is not None and seq.sampling.logprobs:
                 seq.logprobs.append(logprobs[i])
             if num_top and seq.sampling.top_logprobs:

@@ -146,12 +146,13 @@ def test_step_plan_rows_as_objects_and_arrays_agree():
     assert same == plan
 
 
-def test_small_batches_take_the_loop_and_agree():
+@pytest.mark.parametrize("depth", [1, 2])
+def test_small_batches_take_the_loop_and_agree(depth):
     """Under ``fast_decode_min_rows`` running sequences (or results) a step is a loop over them,
     since the array operations' fixed cost is more than they save; plans, outputs and allocator
     state stay the same whichever way a step goes."""
     args = dict(num_blocks=48, block_size=4, budget=24, prefix=True, max_num_seqs=12)
-    arrays = run_workload(True, 3, 2, **args)
+    arrays = run_workload(True, 3, depth, **args)
     assert FAST_DECODE_MIN_ROWS > 12
-    assert run_workload(True, 3, 2, threshold=None, **args)[:3] == arrays[:3]
-    assert run_workload(True, 3, 2, threshold=6, **args)[:3] == arrays[:3]
+    assert run_workload(True, 3, depth, threshold=None, **args)[:3] == arrays[:3]
+    assert run_workload(True, 3, depth, threshold=6, **args)[:3] == arrays[:3]
