@@ -2,7 +2,7 @@
 
 The scheduler owns this allocator and decides which physical block ids every sequence uses;
 the worker only applies the resulting block tables and ``(src, dst)`` copies. Pure Python
-(standard library only): the scheduler never imports torch or numpy.
+(standard library only): it never imports torch or numpy.
 
 Invariants (checked by ``check_integrity``):
 
@@ -288,6 +288,37 @@ class BlockAllocator:
             self._seq_num_tokens[seq_id] = num_tokens
             return True
         return False
+
+    def growth_limit(self, seq_id: int) -> int:
+        """The most tokens the sequence can hold with no block changed: its blocks' capacity when
+        its last block is private, else its current length. ``grow_in_place`` succeeds exactly up to
+        here. Only this sequence's own ``append_slots`` changes it (a block another sequence comes
+        to share is full, so the limit is its length either way)."""
+        block_ids = self._blocks_of(seq_id)
+        if self._ref_counts[block_ids[-1]] == 1:
+            return len(block_ids) * self.block_size
+        return self._seq_num_tokens[seq_id]
+
+    def append_block(self, seq_id: int) -> int | None:
+        """The common rollover of ``append_slots``, without building a result: a sequence whose
+        blocks are all full grows by one token into a fresh block, which is returned (appended to
+        its table). None, with nothing changed, if no block is free."""
+        block_ids = self._blocks_of(seq_id)
+        num_tokens = self._seq_num_tokens[seq_id]
+        if num_tokens != len(block_ids) * self.block_size:
+            raise ValueError(f"seq {seq_id}: its last block is not full ({num_tokens} tokens in {len(block_ids)} blocks)")
+        if not self._num_free:
+            return None
+        block_id = self._pop_free()
+        block_ids.append(block_id)
+        self._seq_num_tokens[seq_id] = num_tokens + 1
+        return block_id
+
+    def grow_in_place_many(self, seq_ids: list[int], num_tokens: list[int]) -> None:
+        """``grow_in_place`` for many sequences at once, for growth the caller has checked against
+        ``growth_limit`` (not checked again here; ``check_integrity`` finds a length past a
+        sequence's blocks)."""
+        self._seq_num_tokens.update(zip(seq_ids, num_tokens))
 
     def append_slots(self, seq_id: int, num_tokens: int) -> AppendResult | None:
         """Make room for ``num_tokens`` tokens in total: new blocks on rollover, and a private

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagewire_common.plan import NewSequence, RunningSequence, StepPlan, StepResult
+from pagewire_common.plan import NewSequence, StepPlan, StepResult
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.v1 import generation_pb2 as gen_pb
 from pagewire_common.v1 import worker_pb2 as worker_pb
@@ -112,16 +112,15 @@ def plan_to_pb(plan: StepPlan) -> worker_pb.StepPlan:
                 stop_token_ids=_bytes(s.stop_token_ids, _I32) if s.stop_token_ids else b"",
             )
         )
-    running = plan.running_seqs
-    if running:
-        msg.running_seq_ids = _bytes([r.seq_id for r in running], _I64)
-        msg.running_num_scheduled_tokens = _bytes([r.num_scheduled_tokens for r in running], _I32)
-        rows = [i for i, r in enumerate(running) if r.block_ids]
-        if rows:
-            msg.block_update_rows = _bytes(rows, _I32)
-            msg.block_update_starts = _bytes([running[i].block_table_start for i in rows], _I32)
-            msg.block_update_lengths = _bytes([len(running[i].block_ids) for i in rows], _I32)
-            msg.block_update_ids = _bytes([b for i in rows for b in running[i].block_ids], _I32)
+    if len(plan.running_seq_ids):
+        msg.running_seq_ids = plan.running_seq_ids.astype(_I64, copy=False).tobytes()
+        msg.running_num_scheduled_tokens = plan.running_num_scheduled_tokens.astype(_I32).tobytes()
+        updates = plan.block_updates
+        if updates:
+            msg.block_update_rows = _bytes([u[0] for u in updates], _I32)
+            msg.block_update_starts = _bytes([u[1] for u in updates], _I32)
+            msg.block_update_lengths = _bytes([len(u[2]) for u in updates], _I32)
+            msg.block_update_ids = _bytes([b for u in updates for b in u[2]], _I32)
     if plan.finished_seq_ids:
         msg.finished_seq_ids = _bytes(plan.finished_seq_ids, _I64)
     if plan.block_copies:
@@ -143,11 +142,11 @@ def plan_from_pb(msg: worker_pb.StepPlan) -> StepPlan:
         )
         for s in msg.new_seqs
     ]
-    seq_ids = _ints(msg.running_seq_ids, _I64)
-    counts = _ints(msg.running_num_scheduled_tokens, _I32)
+    seq_ids = np.frombuffer(msg.running_seq_ids, dtype=_I64)
+    counts = np.frombuffer(msg.running_num_scheduled_tokens, dtype=_I32)
     if len(seq_ids) != len(counts):
         raise ValueError("step plan: running_seq_ids and running_num_scheduled_tokens differ in length")
-    running = [RunningSequence(seq_id=s, num_scheduled_tokens=n) for s, n in zip(seq_ids, counts)]
+    updates = []
     if msg.block_update_rows:
         ids = np.frombuffer(msg.block_update_ids, dtype=_I32)
         offset = 0
@@ -156,14 +155,17 @@ def plan_from_pb(msg: worker_pb.StepPlan) -> StepPlan:
             _ints(msg.block_update_starts, _I32),
             _ints(msg.block_update_lengths, _I32),
         ):
-            running[row].block_table_start = start
-            running[row].block_ids = ids[offset : offset + length].tolist()
+            if not 0 <= row < len(seq_ids):
+                raise ValueError(f"step plan: block update for row {row} of {len(seq_ids)} running rows")
+            updates.append((row, start, ids[offset : offset + length].tolist()))
             offset += length
     copies = np.frombuffer(msg.block_copies, dtype=_I32).reshape(-1, 2).tolist()
     return StepPlan(
         step_id=msg.step_id,
         new_seqs=new_seqs,
-        running_seqs=running,
+        running_seq_ids=seq_ids,
+        running_num_scheduled_tokens=counts,
+        block_updates=updates,
         finished_seq_ids=_ints(msg.finished_seq_ids, _I64),
         block_copies=[(a, b) for a, b in copies],
     )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import grpc
 
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.core_service import Outbox
+from scheduler_svc.core_output import Outbox
 from scheduler_svc.engine import RequestOutput, validate_prompt_tokens
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from scheduler_svc.api_request import (
     open_request,
 )
 from scheduler_svc.auth import ApiKeyInterceptor, TlsFiles
-from scheduler_svc.core_service import Outbox
+from scheduler_svc.core_output import Outbox
 from scheduler_svc.engine import RequestOutput
 from scheduler_svc.output import TextStream
 from scheduler_svc.sequence import FinishReason

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -28,7 +27,9 @@ from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import EngineCore, WorkerInfo, sample_request_id
+from scheduler_svc.core_output import ApiClient, _Owner, deliver
+from scheduler_svc.engine import EngineCore, WorkerInfo
+from scheduler_svc.running_batch import StepTokens
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_client import WorkerLink, WorkerLinkError
@@ -39,111 +40,8 @@ log = logging.getLogger("pagewire.scheduler")
 QUIET_TURNS = 6
 # the longest the core waits for one API server to hand on a step's tokens (backpressure)
 BACKPRESSURE_TIMEOUT_S = 1.0
-FINISH_CODES = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
-_F32 = np.dtype("<f4")
-NAN = float("nan")
-
-
-class Outbox:
-    """Messages for one consumer on the same loop: the producer appends without waiting, the
-    consumer takes everything that piled up at once."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._waiter: asyncio.Future | None = None
-
-    def put_nowait(self, item) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def take(self) -> list:
-        """Wait for at least one item; return all that are there, oldest first."""
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        items, self._items = self._items, []
-        return items
-
-
-class ApiClient:
-    """One API server's Connect session: its requests in flight, and the step's outputs for it."""
-
-    def __init__(self, client_id: int, peer: str = "", send=None):
-        self.client_id = client_id
-        self.peer = peer
-        self.rids: dict[int, str] = {}  # rid -> the core's request key
-        self.ready = False  # it knows the model and serves clients
-        self.num_outputs_sent = 0  # CoreOutput messages with tokens sent in this session...
-        self.num_outputs_done = 0  # ...and how many of them the API server has handed on
-        self.unresponsive = False  # behind for longer than BACKPRESSURE_TIMEOUT_S: not waited for
-        self.outbox = Outbox()
-        self.send = send or self.outbox.put_nowait  # takes each CoreOutput
-        self._clear()
-
-    def _clear(self) -> None:
-        self.out_rids: list[int] = []
-        self.out_tokens: list[int] = []
-        self.out_logprobs: list[float] = []
-        self.any_logprobs = False
-        # (token ids, logprobs) of each entry's most likely tokens, once some request asked
-        self.out_top: list[tuple[list[int], list[float]] | None] | None = None
-        self.finished_rids: list[int] = []
-        self.finish_reasons: list[int] = []
-        self.started_rids: list[int] = []
-        self.started_cached: list[int] = []
-        self.errors: list[core_pb2.CoreError] = []
-
-    @property
-    def has_output(self) -> bool:
-        return bool(self.out_rids or self.finished_rids or self.errors)
-
-    def flush(self) -> None:
-        """Send what this step produced for this API server as one message."""
-        msg = core_pb2.CoreOutput(errors=self.errors)
-        if self.out_rids:
-            msg.rids = np.asarray(self.out_rids, dtype=_I64).tobytes()
-            msg.token_ids = np.asarray(self.out_tokens, dtype=_I32).tobytes()
-            if self.any_logprobs:
-                msg.logprobs = np.asarray(self.out_logprobs, dtype=_F32).tobytes()
-            if self.out_top is not None:
-                _pack_top_logprobs(msg, self.out_top)
-        if self.finished_rids:
-            msg.finished_rids = np.asarray(self.finished_rids, dtype=_I64).tobytes()
-            msg.finish_reasons = np.asarray(self.finish_reasons, dtype=_I32).tobytes()
-        if self.started_rids:
-            msg.started_rids = np.asarray(self.started_rids, dtype=_I64).tobytes()
-            msg.num_cached_prompt_tokens = np.asarray(self.started_cached, dtype=_I32).tobytes()
-        if msg.rids or msg.finished_rids:
-            self.num_outputs_sent += 1
-        self._clear()
-        try:
-            self.send(msg)
-        except LinkClosed:  # the API server is gone: its session's end aborts its requests
-            pass
-
-    @property
-    def is_behind(self) -> bool:
-        """More than the latest step's message is still unhandled at the API server (one that
-        stopped answering is not waited for until it catches up again)."""
-        return self.num_outputs_sent - self.num_outputs_done > 1 and not self.unresponsive
-
-    def error(self, rid: int, code: grpc.StatusCode, message: str) -> None:
-        self.errors.append(core_pb2.CoreError(rid=rid, code=code.value[0], message=message))
-
-
-@dataclass(slots=True)
-class _Owner:
-    client: ApiClient
-    rid: int
-    first_len: int  # the sequence's length once it has its first output token
 
 
 class CoreService(core_pb2_grpc.SchedulerCoreServicer):
@@ -355,12 +253,13 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             client.error(rid, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"the queue is full ({limit} requests waiting); retry later")
             return
-        engine.add_request(key, token_ids, sampling, validated=True)
+        seq = engine.add_request(key, token_ids, sampling, validated=True)
         # sample i of n is rid + i (the API server reserved them)
-        for index in range(sampling.n):
-            sample_key = sample_request_id(key, index)
-            client.rids[rid + index] = sample_key
-            self._owners[sample_key] = _Owner(client, rid + index, len(token_ids) + 1)
+        for sample in (seq, *seq.unforked_samples):
+            sample_rid = rid + sample.sample_index
+            sample.route = (client.client_id, sample_rid)
+            client.rids[sample_rid] = sample.request_id
+            self._owners[sample.request_id] = _Owner(client, sample_rid, len(token_ids) + 1)
         self.num_submitted += 1
 
     # ---- the engine task -----------------------------------------------------------------------
@@ -438,9 +337,9 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             if plan is not None:
                 await link.send(plan)
             if engine.should_receive(plan is not None, depth):
-                touched = engine.on_result(await link.receive())
+                step = engine.on_result(await link.receive())
                 self.num_steps += 1
-                self._deliver(touched)
+                self._deliver(step)
                 if admit:
                     await self._admit_arrivals()
             elif plan is None:
@@ -491,42 +390,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                 if quiet == QUIET_TURNS:
                     return
 
-    def _deliver(self, touched) -> None:
-        """Each touched sequence got one token: append it to its API server's message, and send
-        one message to each API server that has something. (Per token: one dict lookup and a few
-        list appends; logprobs only once some request of the step asked for them.)"""
-        owners = self._owners
-        clients: set[ApiClient] = set()
-        for seq in touched:
-            owner = owners.get(seq.request_id)
-            if owner is None:
-                continue
-            client = owner.client
-            rid = owner.rid
-            tokens = seq.token_ids
-            client.out_rids.append(rid)
-            client.out_tokens.append(tokens[-1])
-            if client.any_logprobs:
-                client.out_logprobs.append(seq.logprobs[-1] if seq.sampling.logprobs else NAN)
-            elif seq.sampling.logprobs:
-                client.any_logprobs = True
-                client.out_logprobs = [NAN] * (len(client.out_rids) - 1) + [seq.logprobs[-1]]
-            if client.out_top is not None:
-                client.out_top.append(seq.top_logprobs[-1] if seq.sampling.top_logprobs else None)
-            elif seq.sampling.top_logprobs:
-                client.out_top = [None] * (len(client.out_rids) - 1) + [seq.top_logprobs[-1]]
-            if len(tokens) == owner.first_len:
-                client.started_rids.append(rid)
-                client.started_cached.append(seq.num_cached_prompt_tokens or 0)
-            reason = seq.finish_reason
-            if reason is not None:
-                client.finished_rids.append(rid)
-                client.finish_reasons.append(FINISH_CODES[reason])
-                del owners[seq.request_id]
-                del client.rids[rid]
-            clients.add(client)
-        for client in clients:
-            client.flush()
+    def _deliver(self, step: StepTokens) -> None:
+        deliver(step, self._owners, self._clients)
 
     def _broadcast_worker_state(self) -> None:
         for client in self._clients.values():
@@ -552,17 +417,3 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                 client.flush()
         self._broadcast_worker_state()
 
-
-def _pack_top_logprobs(msg: core_pb2.CoreOutput, tops: list[tuple[list[int], list[float]] | None]) -> None:
-    """Each entry's most likely tokens as [entries, k] arrays (k: the most any entry has)."""
-    k = max(len(t[0]) for t in tops if t is not None)
-    ids = np.zeros((len(tops), k), dtype=_I32)
-    lps = np.full((len(tops), k), NAN, dtype=_F32)
-    for i, top in enumerate(tops):
-        if top is not None:
-            n = len(top[0])
-            ids[i, :n] = top[0]
-            lps[i, :n] = top[1]
-    msg.num_top_logprobs = k
-    msg.top_token_ids = ids.tobytes()
-    msg.top_logprobs = lps.tobytes()

@@ -23,6 +23,7 @@ from kvcache.allocator import BlockAllocator
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.running_batch import StepTokens
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import FinishReason, Sequence
 
@@ -105,8 +106,8 @@ def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vo
     servers, the core and the offline API all call this one function."""
     if not token_ids:
         raise ValueError("prompt_token_ids is empty")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # min/max: no Python loop per token
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
     sampling.validate()
     bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
@@ -241,12 +242,16 @@ class EngineCore:
     def process_result(self, result: StepResult) -> list[Sequence]:
         """Apply a step result: the sequences that received a token (each exactly one, the last
         of ``token_ids``), finished ones included with ``finish_reason`` set."""
-        touched = self.scheduler.update(result)
+        return self.process_step(result).sequences()
+
+    def process_step(self, result: StepResult) -> StepTokens:
+        """``process_result`` with the plain decodes' tokens left as arrays."""
+        step = self.scheduler.apply_result(result)
         requests = self._requests
-        for seq in touched:
+        for seq in step.others:  # a plain decode does not finish
             if seq.finish_reason is not None and requests.pop(seq.request_id, None) is not None:
                 self.num_finished += 1
-        return touched
+        return step
 
     def step(self) -> list[RequestOutput]:
         """Schedule one step, execute it, and return one token delta per sequence that got one."""
@@ -292,7 +297,7 @@ class EngineCore:
         if plan is not None:
             link.send(plan)
         if self.should_receive(plan is not None, max_in_flight):
-            return self.outputs(self.on_result(link.receive()))
+            return self.outputs(self.on_result(link.receive()).sequences())
         return []
 
     def next_plan(self, max_in_flight: int) -> StepPlan | None:
@@ -309,11 +314,11 @@ class EngineCore:
         """Read a result now: the pipeline is full, or nothing new was sent."""
         return bool(self._in_flight) and (not sent or len(self._in_flight) >= max_in_flight)
 
-    def on_result(self, result: StepResult) -> list[Sequence]:
+    def on_result(self, result: StepResult) -> StepTokens:
         expected = self._in_flight.popleft()
         if result.step_id != expected:
             raise RuntimeError(f"worker answered step {result.step_id}, expected {expected}")
-        return self.process_result(result)
+        return self.process_step(result)
 
     def is_idle(self) -> bool:
         """Nothing to schedule, nothing in flight, nothing to tell the worker."""

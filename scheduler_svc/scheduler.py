@@ -13,17 +13,22 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from kvcache.allocator import AppendResult, BlockAllocator
-from pagewire_common.plan import NewSequence, RunningSequence, StepPlan, StepResult
+from pagewire_common.plan import NewSequence, StepPlan, StepResult
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.running_batch import RunningBatch, StepTokens
+from scheduler_svc.running_step import FAST_DECODE_MIN_ROWS, RunningStep
 from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
 
 _NO_GROWTH = AppendResult(block_table_start=0, block_ids=[], copies=[])
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 # the smallest prompt share of a paced step: short prompts go through in one step
 PACING_MIN_TOKENS = 16
 
 
-class Scheduler:
+class Scheduler(RunningStep):
     """Owns the waiting/running queues and the block allocator; builds step plans.
 
     Call order per step: ``schedule()`` builds a plan (and advances ``num_computed_tokens`` as
@@ -32,12 +37,23 @@ class Scheduler:
     caller's business: it calls ``finish()`` when it finds one.
     """
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: tuple[int, ...] = (),
+                 fast_decode: bool = True):
         self.config = config
         self.allocator = allocator
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # the running sequences' counters, one slot each, in the order of ``running``
+        self.batch = RunningBatch(min(config.max_num_seqs, 1024))
+        # plain decodes scheduled and updated over the batch's arrays (off: every sequence takes
+        # the per-sequence path, which gives the same plans; tests compare the two)
+        self.fast_decode = fast_decode
+        self.fast_decode_min_rows = FAST_DECODE_MIN_ROWS
+        # every token id that ends some sequence added so far (sorted): a decode's token outside it
+        # ends none (it only grows: a stale id sends a few tokens down the per-sequence path)
+        self._stop_ids: set[int] = set()
+        self._stop_id_array = np.zeros(0, dtype=np.int64)
         self.seqs: dict[int, Sequence] = {}
         self._next_step_id = 0
         # sequences the worker holds state for that must be dropped in the next plan
@@ -75,6 +91,9 @@ class Scheduler:
         seq.end_token_set = self.eos_token_ids if structured else frozenset()
         seq.max_num_tokens = min(seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
         seq.min_num_tokens = seq.num_prompt_tokens + params.min_tokens
+        if not seq.stop_token_set <= self._stop_ids:
+            self._stop_ids |= seq.stop_token_set
+            self._stop_id_array = np.array(sorted(self._stop_ids), dtype=np.int64)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence now (stop condition, stop string, abort): free or cache its blocks and
@@ -85,6 +104,7 @@ class Scheduler:
             self._forked.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.batch.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq.seq_id in self.seqs:
             self.waiting.remove(seq)
         self._release(seq)
@@ -119,6 +139,7 @@ class Scheduler:
         self._forked = []
         self._parents = []
         self.running.clear()
+        self.batch.reset()
         self.waiting.clear()
         self.seqs.clear()
         self._dropped_seq_ids.clear()
@@ -131,79 +152,17 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
         budget = self.config.max_num_batched_tokens
-        preempted = False
-        running = self.running
-        running_diffs = plan.running_seqs
         allocator = self.allocator
-        grow_in_place = allocator.grow_in_place
-        caching, block_size = self._caching, self._block_size
         # prompt tokens (chunks and admissions) this step may carry: the whole budget, unless
         # pacing spreads them out while decodes are running
         prefill_left = self._prefill_allowance() if self.config.prefill_pacing_steps else budget
 
         # Running sequences first, oldest first: decodes and the rest of chunked prompts.
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            pending = seq.num_pending_tokens
-            num_tokens = len(seq.token_ids) + pending
-            num_new = num_tokens - seq.num_computed_tokens
-            # nothing to compute, or a token still in flight already ends the sequence (another
-            # one would only be thrown away)
-            if num_new <= 0 or (pending and num_tokens >= seq.max_num_tokens):
-                i += 1
-                continue
-            if num_new == 1:
-                # the common decode (budget > 0 here): its slot exists or fits in its last block
-                computed = seq.num_computed_tokens + 1
-                if computed <= seq.num_slot_tokens or grow_in_place(seq.seq_id, computed):
-                    if computed > seq.num_slot_tokens:
-                        seq.num_slot_tokens = computed
-                    running_diffs.append(RunningSequence(seq.seq_id, 1))
-                    # _advance(seq, 1), inlined
-                    seq.num_computed_tokens = computed
-                    seq.num_pending_tokens = pending + 1  # the worker samples a token this step
-                    if caching and computed // block_size > seq.num_hashed_blocks:
-                        self._advance(seq, 0)
-                    budget -= 1
-                    i += 1
-                    continue
-            if num_new > 1:  # a prompt chunk (or a recompute after preemption), not a decode
-                num_new = min(num_new, budget, prefill_left)
-                if num_new <= 0:
-                    i += 1
-                    continue
-                prefill_left -= num_new
-            else:
-                num_new = min(num_new, budget)
-            target = seq.num_computed_tokens + num_new
-            if target <= seq.num_slot_tokens:  # a prompt's later chunk: its blocks exist
-                grown = _NO_GROWTH
-            elif allocator.grow_in_place(seq.seq_id, target):  # a decode inside its last block
-                seq.num_slot_tokens = target
-                grown = _NO_GROWTH
-            else:
-                grown = allocator.append_slots(seq.seq_id, target)
-                while grown is None:
-                    # Out of blocks: preempt the newest running sequence (maybe this one).
-                    victim = running[-1]
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is seq:
-                        break
-                    grown = allocator.append_slots(seq.seq_id, target)
-                if grown is None:
-                    break  # seq itself was preempted, and it was the newest: nothing after it
-                seq.num_slot_tokens = target
-            diff = RunningSequence(seq.seq_id, num_new)
-            if grown.block_ids:
-                diff.block_table_start = grown.block_table_start
-                diff.block_ids = list(grown.block_ids)
-                plan.block_copies.extend(grown.copies)
-            running_diffs.append(diff)
-            self._advance(seq, num_new)
-            budget -= num_new
-            i += 1
+        self._prefill_left = prefill_left
+        self._preempted = False
+        budget = self._schedule_running(plan, budget)
+        prefill_left, preempted = self._prefill_left, self._preempted
+        running = self.running
 
         # Forked samples start (one token each; after the loop above, which must not schedule them
         # twice), then waiting sequences are admitted, first come first served, unless we just had
@@ -223,10 +182,9 @@ class Scheduler:
             if allocation is None:
                 break  # head of line waits for blocks; later arrivals do not overtake it
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            running.append(seq)
             seq.num_computed_tokens = allocation.num_cached_tokens
             seq.num_slot_tokens = len(seq.token_ids)
+            self._start_running(seq)
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
                 if self._caching:
@@ -259,6 +217,54 @@ class Scheduler:
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         return plan
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.batch.add(seq, self.allocator.growth_limit(seq.seq_id), seq.route)
+
+    def _schedule_one(self, seq: Sequence, budget: int) -> tuple[int, AppendResult] | None:
+        """A running sequence's slice of ``budget`` (> 0), blocks included: (tokens, growth), or
+        None when it gets none. Preempts the newest running sequences when blocks run out, maybe
+        ``seq`` itself (then ``seq`` is no longer running)."""
+        allocator = self.allocator
+        pending = seq.num_pending_tokens
+        num_new = len(seq.token_ids) + pending - seq.num_computed_tokens
+        if num_new == 1:
+            # a decode: its slot exists or fits in its last block
+            computed = seq.num_computed_tokens + 1
+            if computed <= seq.num_slot_tokens or allocator.grow_in_place(seq.seq_id, computed):
+                if computed > seq.num_slot_tokens:
+                    seq.num_slot_tokens = computed
+                self._advance(seq, 1)
+                return 1, _NO_GROWTH
+        if num_new > 1:  # a prompt chunk (or a recompute after preemption), not a decode
+            num_new = min(num_new, budget, self._prefill_left)
+            if num_new <= 0:
+                return None
+            self._prefill_left -= num_new
+        else:
+            num_new = min(num_new, budget)
+        target = seq.num_computed_tokens + num_new
+        if target <= seq.num_slot_tokens:  # a prompt's later chunk: its blocks exist
+            grown = _NO_GROWTH
+        elif allocator.grow_in_place(seq.seq_id, target):  # a decode inside its last block
+            seq.num_slot_tokens = target
+            grown = _NO_GROWTH
+        else:
+            grown = allocator.append_slots(seq.seq_id, target)
+            while grown is None:
+                # Out of blocks: preempt the newest running sequence (maybe this one).
+                victim = self.running[-1]
+                self._preempt(victim)
+                self._preempted = True
+                if victim is seq:
+                    return None
+                grown = allocator.append_slots(seq.seq_id, target)
+            seq.num_slot_tokens = target
+            self.batch.limit_view[seq.slot] = allocator.growth_limit(seq.seq_id)
+        self._advance(seq, num_new)
+        return num_new, grown
 
     def _fork(self, seq: Sequence) -> None:
         """n > 1: the plan just built computes the rest of ``seq``'s prompt; its other samples share
@@ -298,7 +304,7 @@ class Scheduler:
                 stop_token_ids=tuple(sorted(sample.stop_token_set)) if sample.sampling.min_tokens else (),
             ))
             sample.is_known_to_worker = True
-            self.running.append(sample)
+            self._start_running(sample)
             self._advance(sample, 1)
         num = len(self._forked)
         self._forked = []
@@ -338,39 +344,86 @@ class Scheduler:
             seq.num_pending_tokens += 1  # the worker samples a token this step
         if self._caching and computed // self._block_size > seq.num_hashed_blocks:
             # a block filled up: offer it to the prefix cache
-            known = min(computed, num_known)
-            if known // self._block_size > seq.num_hashed_blocks:
-                self.allocator.cache_blocks(seq.seq_id, seq.token_ids, known)
-                seq.num_hashed_blocks = known // self._block_size
+            self._offer_blocks(seq, min(computed, num_known))
+
+    def _offer_blocks(self, seq: Sequence, known: int) -> None:
+        """Offer the blocks that the first ``known`` tokens fill to the prefix cache."""
+        if known // self._block_size > seq.num_hashed_blocks:
+            self.allocator.cache_blocks(seq.seq_id, seq.token_ids, known)
+            seq.num_hashed_blocks = known // self._block_size
 
     def update(self, result: StepResult) -> list[Sequence]:
-        """Apply a step's sampled tokens. Returns the sequences that received a token (finished
-        ones included, with ``finish_reason`` set). Tokens for sequences that finished or were
-        aborted after the plan was sent are dropped."""
+        """Apply a step's sampled tokens. Returns the sequences that received a token, in the
+        result's order (finished ones included, with ``finish_reason`` set). Tokens for sequences
+        that finished or were aborted after the plan was sent are dropped."""
+        return self.apply_result(result).sequences()
+
+    def apply_result(self, result: StepResult) -> StepTokens:
+        """``update``, with the plain decodes' tokens left as arrays: a token for a running
+        sequence that does not end it (no stop token, not its last) and asks for no logprobs is
+        appended over the batch's arrays; the rest take the per-sequence path."""
+        batch = self.batch
+        seq_id_list, token_id_list = result.seq_ids, result.token_ids
+        if self.fast_decode and len(seq_id_list) >= self.fast_decode_min_rows:
+            seq_ids = np.asarray(seq_id_list, dtype=np.int64)
+            token_ids = np.asarray(token_id_list, dtype=np.int64)
+            slots = batch.slots_of(seq_ids)
+            at = np.maximum(slots, 0)
+            plain = (slots >= 0) & (batch.pending[at] > 0) & (batch.known[at] + 1 < batch.max_tokens[at])
+            plain &= ~batch.slow_update[at]
+            stop_ids = self._stop_id_array  # sorted; searchsorted is cheaper than np.isin
+            if len(stop_ids):
+                plain &= stop_ids[np.minimum(np.searchsorted(stop_ids, token_ids), len(stop_ids) - 1)] != token_ids
+            plain_rows = plain.nonzero()[0]
+            plain_slots = slots[plain_rows]
+            plain_tokens = token_ids[plain_rows]
+            batch.pending[plain_slots] -= 1
+            batch.known[plain_slots] += 1
+            for _ in map(list.append, map(batch.token_lists.__getitem__, plain_slots.tolist()), plain_tokens.tolist()):
+                pass
+            other_rows = [] if len(plain_rows) == len(slots) else (~plain).nonzero()[0].tolist()
+            if other_rows:
+                seq_id_list, token_id_list = seq_ids.tolist(), token_ids.tolist()
+        else:
+            plain_rows = plain_slots = plain_tokens = _NO_ROWS
+            other_rows = range(len(seq_id_list))
+        touched_rows: list[int] = []
         touched: list[Sequence] = []
         seqs = self.seqs
         logprobs = result.logprobs
         num_top = result.num_top_logprobs
-        for i, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.token_ids)):
-            seq = seqs.get(seq_id)
-            if seq is None or seq.num_pending_tokens == 0:
+        pending, known = batch.pending_view, batch.known_view
+        for i in other_rows:
+            seq = seqs.get(seq_id_list[i])
+            if seq is None:
                 continue
-            seq.num_pending_tokens -= 1
+            slot = seq.slot
+            if seq.batch is None:  # not running (preempted with a token in flight)
+                if seq.num_pending_tokens == 0:
+                    continue
+                seq.num_pending_tokens -= 1
+            else:
+                if pending[slot] == 0:
+                    continue
+                pending[slot] -= 1
+                known[slot] += 1
+            token_id = token_id_list[i]
             tokens = seq.token_ids
             tokens.append(token_id)
-            if logprobs is not None:
+            if logprobs is not None and seq.sampling.logprobs:
                 seq.logprobs.append(logprobs[i])
             if num_top and seq.sampling.top_logprobs:
                 start = i * num_top
                 end = start + seq.sampling.top_logprobs
                 seq.top_logprobs.append((result.top_token_ids[start:end], result.top_logprobs[start:end]))
+            touched_rows.append(i)
             touched.append(seq)
             # the worker masks stop tokens before min_tokens; a stop there is an ordinary token
             if token_id in seq.stop_token_set and (len(tokens) > seq.min_num_tokens or token_id in seq.end_token_set):
                 self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos), a stop token id, a grammar's end
             elif len(tokens) >= seq.max_num_tokens:
                 self.finish(seq, FinishReason.LENGTH)  # max_tokens or the model length
-        return touched
+        return StepTokens(batch, plain_rows, plain_slots, plain_tokens, touched_rows, touched)
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -386,6 +439,7 @@ class Scheduler:
         from its tokens (prompt and output so far) when readmitted, which gives the same greedy
         output. A token still pending from an in-flight step is kept: it arrives in ``update``."""
         self.running.remove(seq)
+        self.batch.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0

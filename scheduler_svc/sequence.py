@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagewire_common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_svc.running_batch import RunningBatch
 
 
 class SequenceStatus(enum.Enum):
@@ -18,6 +22,25 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model length
     ABORT = "abort"  # cancelled by the client, or failed
+
+
+def _counter(own: str, array: str, doc: str) -> property:
+    """A counter of a Sequence: its attribute ``own`` while it is not running, the RunningBatch's
+    array ``array`` at its slot while it is (through the batch's memoryview of it)."""
+    view = f"{array}_view"
+
+    def get(seq: "Sequence") -> int:
+        batch = seq.batch
+        return getattr(seq, own) if batch is None else getattr(batch, view)[seq.slot]
+
+    def set_(seq: "Sequence", value: int) -> None:
+        batch = seq.batch
+        if batch is None:
+            setattr(seq, own, value)
+        else:
+            getattr(batch, view)[seq.slot] = value
+
+    return property(get, set_, doc=doc)
 
 
 @dataclass(slots=True, eq=False)
@@ -40,18 +63,24 @@ class Sequence:
     # (token ids, logprobs) of the most likely tokens at each generated position, when asked
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0
-    num_pending_tokens: int = 0
     # prompt tokens served from the prefix cache at first admission (reported in usage)
     num_cached_prompt_tokens: int | None = None
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     # whether the worker holds state for this sequence (it was sent as a NewSequence and not dropped)
     is_known_to_worker: bool = False
-    # how many tokens the allocator has slots for (its view of the sequence's length)
-    num_slot_tokens: int = 0
-    # full blocks already offered to the prefix cache (cache_blocks is called only when one fills)
-    num_hashed_blocks: int = 0
+    # while running: the scheduler's RunningBatch and this sequence's row there, which then holds the
+    # counters behind num_computed_tokens, num_pending_tokens, num_slot_tokens and num_hashed_blocks
+    batch: RunningBatch | None = field(default=None, repr=False)
+    slot: int = -1
+    # the counters while not running (see the properties; stale while running, so not in the repr)
+    _num_computed_tokens: int = field(default=0, repr=False)
+    _num_pending_tokens: int = field(default=0, repr=False)
+    _num_slot_tokens: int = field(default=0, repr=False)
+    _num_hashed_blocks: int = field(default=0, repr=False)
+    # where the driver sends this sequence's tokens ((API server, request) in the core); carried
+    # into the RunningBatch so that a step's tokens are grouped by it without a loop over objects
+    route: tuple[int, int] = (-1, 0)
     # set by Scheduler.add, so the per-token stop check is one set lookup and one
     # comparison: token ids that end the sequence (EOS unless ignore_eos, and stop_token_ids)...
     stop_token_set: frozenset[int] = frozenset()
@@ -70,6 +99,15 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    num_computed_tokens = _counter("_num_computed_tokens", "computed", "Tokens whose K/V the worker has written or "
+                                   "will have written once the plans sent run.")
+    num_pending_tokens = _counter("_num_pending_tokens", "pending", "Tokens sampled by steps whose results have not "
+                                  "arrived yet.")
+    num_slot_tokens = _counter("_num_slot_tokens", "slot_tokens", "How many tokens the allocator has slots for (its "
+                               "view of the sequence's length).")
+    num_hashed_blocks = _counter("_num_hashed_blocks", "hashed", "Full blocks already offered to the prefix cache "
+                                 "(cache_blocks is called only when one fills).")
 
     @property
     def num_prompt_tokens(self) -> int:

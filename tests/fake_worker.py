@@ -80,3 +80,20 @@ class FakeKVWorker:
                 result.seq_ids.append(sid)
                 result.token_ids.append(tok)
         return result
+
+
+class LaggingLink:
+    """Executes a plan only when its result is read: with two plans sent, the second was
+    built before the first ran, as with the real worker stream."""
+
+    def __init__(self, worker: FakeKVWorker):
+        self.worker = worker
+        self.sent = []
+
+    def send(self, plan):
+        self.sent.append(plan)
+
+    def receive(self):
+        result = self.worker.execute(self.sent.pop(0))
+        self.num_sampled = getattr(self, "num_sampled", 0) + len(result.token_ids)
+        return result

@@ -123,6 +123,27 @@ def test_append_slots_rollover(make_allocator):
     allocator.check_integrity()
 
 
+def test_decode_growth_in_bulk_and_into_fresh_blocks(make_allocator):
+    """The scheduler's plain decodes: growth up to growth_limit in place (many at once), and a
+    rollover of a sequence whose blocks are full into one fresh block."""
+    allocator = make_allocator(num_blocks=4)
+    allocator.allocate(1, tokens(0, 6))  # blocks [0, 1]
+    allocator.allocate(2, tokens(50, 3))  # block [2]
+    assert (allocator.growth_limit(1), allocator.growth_limit(2)) == (2 * BS, BS)
+    with pytest.raises(ValueError, match="not full"):
+        allocator.append_block(2)  # 3 tokens in a block of 4
+    allocator.grow_in_place_many([1, 2], [8, 3])
+    allocator.check_integrity()
+    assert allocator.append_block(1) == 3
+    assert allocator.block_ids(1) == [0, 1, 3] and allocator.growth_limit(1) == 3 * BS
+    assert allocator.append_slots(1, 9) == AppendResult(3, [], [])  # the fresh block holds token 9
+    allocator.grow_in_place_many([2], [BS])
+    assert allocator.append_block(2) is None  # none free: nothing changed
+    assert allocator.block_ids(2) == [2]
+    allocator.free(1)
+    allocator.free(2)
+
+
 def test_not_enough_blocks_returns_none_and_changes_nothing(make_allocator):
     allocator = make_allocator(num_blocks=4)
     assert allocator.allocate(1, tokens(0, 12)) == Allocation([0, 1, 2], 0, [])

@@ -11,7 +11,7 @@ from pagewire_common.sampling import SamplingParams
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import EngineCore, WorkerInfo
 from scheduler_svc.sequence import FinishReason
-from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
+from tests.fake_worker import EOS, VOCAB, FakeKVWorker, LaggingLink, reference_tokens
 
 
 def make_engine(num_blocks=64, block_size=4, budget=16, max_num_seqs=64, prefix=True, max_model_len=512, pacing=0):
@@ -382,23 +382,6 @@ def test_prefill_pacing_must_not_be_negative():
 
 
 # ---- one plan in flight (overlap) ---------------------------------------------------------
-
-
-class LaggingLink:
-    """Executes a plan only when its result is read: with two plans sent, the second was
-    built before the first ran, as with the real worker stream."""
-
-    def __init__(self, worker: FakeKVWorker):
-        self.worker = worker
-        self.sent = []
-
-    def send(self, plan):
-        self.sent.append(plan)
-
-    def receive(self):
-        result = self.worker.execute(self.sent.pop(0))
-        self.num_sampled = getattr(self, "num_sampled", 0) + len(result.token_ids)
-        return result
 
 
 def run_pipelined(engine, link, max_in_flight, requests, abort_after=None):
