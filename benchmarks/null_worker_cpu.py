@@ -24,8 +24,9 @@ import sys
 
 import grpc
 
+from pagewire.bench.procs import cpu_by_role, serve_roles
 from pagewire.bench.report import cpu_info, environment
-from pagewire.bench.server import ServedServer, child_pids, free_port
+from pagewire.bench.server import ServedServer, free_port
 from pagewire_common.v1 import generation_pb2 as pb
 from pagewire_common.v1 import generation_pb2_grpc
 
@@ -33,43 +34,6 @@ from pagewire_common.v1 import generation_pb2_grpc
 def num_steps(addr: str) -> int:
     with grpc.insecure_channel(addr) as channel:
         return generation_pb2_grpc.GenerationStub(channel).GetStats(pb.StatsRequest(), timeout=10).num_steps
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU of ``pid`` and of its children it has waited for (utime + stime + cutime + cstime)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def processes(serve_pid: int) -> dict[str, list[int]]:
-    """Role -> pids: the serve supervisor, the worker, the core, each API server (its helper
-    processes, tokenizer and multiprocessing's tracker, counted with it)."""
-    roles: dict[str, list[int]] = {"serve": [serve_pid]}
-    for child in child_pids(serve_pid):
-        argv = cmdline(child)
-        if " worker " in argv:
-            roles["worker"] = [child]
-        elif " scheduler " in argv:
-            roles["core"] = [child]
-            for i, api in enumerate(child_pids(child), 1):
-                roles[f"api-server {i}"] = [api, *child_pids(api)]
-    return roles
-
-
-def cpu_by_role(roles: dict[str, list[int]]) -> dict[str, float]:
-    return {role: sum(cpu_seconds(p) for p in pids) for role, pids in roles.items()}
 
 
 def bench(addr: str, args, num_requests: int, runs: int) -> str:
@@ -96,14 +60,14 @@ def measure(num_api_servers: int, args) -> dict:
     )
     server.start(timeout=180)
     try:
-        roles = processes(server.proc.pid)
+        roles = serve_roles(server.proc.pid)
         expected = {"serve", "worker", "core", *(f"api-server {i}" for i in range(1, num_api_servers + 1))}
         if set(roles) != expected:
             raise SystemExit(f"unexpected process tree under `pagewire serve`: {roles}")
         bench(addr, args, min(args.num_requests, 1024), runs=1)  # warm up
-        steps0, cpu0 = num_steps(addr), cpu_by_role(roles)
+        steps0, cpu0 = num_steps(addr), cpu_by_role(roles, waited_children=True)
         out = bench(addr, args, args.num_requests, runs=args.repeat_runs)
-        cpu1, steps1 = cpu_by_role(roles), num_steps(addr)
+        cpu1, steps1 = cpu_by_role(roles, waited_children=True), num_steps(addr)
     finally:
         server.stop()
     tokens = args.num_requests * args.max_new_tokens * args.repeat_runs
