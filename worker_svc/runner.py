@@ -161,19 +161,20 @@ class ModelRunner:
     def _prepare_cpu_model(self, config: RunnerConfig) -> None:
         """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (layers.cpu_bf16_linear);
         otherwise linear weights packed for the C kernel or oneDNN (layers.cpu_linear). fp32
-        arithmetic also takes the fused norm and SiLU kernels (layers.cpu_fused)."""
+        arithmetic also takes the fused norm, SiLU and rotary kernels (layers.cpu_fused). One log line
+        says what runs where."""
         compute_dtype = self.dtype
         cpu = cpu_features.cpu_info()
         if self.dtype == torch.bfloat16 and not cpu.native_bf16:
             compute_dtype = torch.float32
-            linears = compute_bf16_model_in_fp32(self.model)
-            log.info("bf16 weights and KV cache, fp32 arithmetic: this CPU has no native bf16 (%s); linears: %s",
-                     cpu.isa or "unknown ISA", linears)
+            linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(self.model)
         elif config.cpu_packed_linear:
-            log.info("CPU linears: %s", pack_linears_for_cpu(self.model) or "plain torch matmuls")
-        if compute_dtype == torch.float32 and use_fused_cpu_kernels(self.model):
-            log.info("CPU norms and SiLU: fused C kernels")
-        log.info("CPU attention: %s", prepare_cpu_attention(compute_dtype, self.dtype))
+            linears = pack_linears_for_cpu(self.model) or "plain torch matmuls"
+        else:
+            linears = "plain torch matmuls"
+        fused = compute_dtype == torch.float32 and use_fused_cpu_kernels(self.model) > 0
+        log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s", linears,
+                 "fused C" if fused else "torch operators", prepare_cpu_attention(compute_dtype, self.dtype))
 
     def _grammar_masks(self) -> GrammarMasks | None:
         mc = self.model_config
