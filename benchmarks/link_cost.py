@@ -24,7 +24,7 @@ import grpc
 
 from pagewire_common import eventloop
 from pagewire_common.framelink import FrameListener, LinkSession
-from pagewire_common.v1 import core_pb2, core_pb2_grpc, link_pb2
+from pagewire_common.v1 import core_pb2, core_pb2_grpc
 
 
 class _Echo(core_pb2_grpc.SchedulerCoreServicer):

@@ -51,9 +51,9 @@ from pagewire.bench.llamacpp import (
 )
 from pagewire.bench.loadgen import LoadResult, build_requests, run_rng, word_prompts
 from pagewire.bench.metrics import RunMetrics, pooled_metrics, run_metrics
-from pagewire.bench.procs import busy_cpu_seconds, cpu_by_role, cpu_seconds, serve_roles
+from pagewire.bench.procs import RunCpu, serve_roles
 from pagewire.bench.report import cpu_info, environment, write_json
-from pagewire.bench.server import BenchError, ServedServer, descendant_pids, free_port
+from pagewire.bench.server import BenchError, ServedServer, free_port
 from pagewire.client import make_sampling
 from pagewire_common import eventloop
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings
@@ -135,28 +135,6 @@ def check_records(name: str, result: LoadResult, prompt_len: int, max_new_tokens
                        f"{rec.completion_tokens}")
         if problem:
             raise BenchError(f"{name}: request {i} {problem}")
-
-
-class RunCpu:
-    """Where the CPU went while a run went on: each process of the server under test and this one
-    (the client), in seconds, and what processes other than these took (on a shared machine, what
-    the figures lost to others)."""
-
-    def __init__(self, server_pid: int, roles: dict[str, list[int]]):
-        self.server_pid = server_pid
-        self.roles = {**roles, "client": [os.getpid()]}
-
-    def _ours(self) -> float:
-        return sum(cpu_seconds(p) for p in [os.getpid(), self.server_pid, *descendant_pids(self.server_pid)])
-
-    def start(self) -> None:
-        self.busy0, self.ours0, self.by_role0 = busy_cpu_seconds(), self._ours(), cpu_by_role(self.roles)
-
-    def stop(self) -> tuple[float, dict[str, float]]:
-        """(CPU seconds other processes took, CPU seconds by role)."""
-        others = max(0.0, busy_cpu_seconds() - self.busy0 - (self._ours() - self.ours0))
-        by_role = {role: cpu - self.by_role0[role] for role, cpu in cpu_by_role(self.roles).items()}
-        return others, by_role
 
 
 async def measure(base_url: str, extra_body: dict, warmup, requests, concurrency: int, ready_timeout: float,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pagewire.bench.procs import cmdline, cpu_by_role, cpu_seconds, serve_roles
+from pagewire.bench.procs import RunCpu, cmdline, cpu_by_role, cpu_seconds, serve_roles
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -59,3 +59,21 @@ def test_serve_roles_finds_worker_core_and_each_api_server():
     finally:
         os.killpg(serve.pid, signal.SIGKILL)  # the whole tree
         serve.wait(10)
+
+
+def test_run_cpu_splits_a_run_by_role_and_counts_others_apart():
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)"
+    server = subprocess.Popen([sys.executable, "-c", spin])
+    bystander = subprocess.Popen([sys.executable, "-c", spin])  # not the server's: "others"
+    try:
+        cpu = RunCpu(server.pid, {"server": [server.pid]})
+        cpu.start()
+        time.sleep(1.0)
+        others, by_role = cpu.stop()
+        assert set(by_role) == {"server", "client"}
+        assert 0.2 <= by_role["server"] <= 0.6
+        assert others >= 0.2  # the bystander's spin
+    finally:
+        for proc in (server, bystander):
+            proc.kill()
+            proc.wait(10)

@@ -68,8 +68,6 @@ class RunnerConfig:
     dtype: str = default_of("dtype")
     device: str | None = default_of("device")  # None: cuda if available, else cpu
     max_model_len: int | None = default_of("max_model_len")  # None: the model's own
-    # CPU only: prepack linear weights for the C kernel or oneDNN (layers/cpu_linear.py); not a user setting
-    cpu_packed_linear: bool = True
     # CUDA only: replay captured graphs for decode-only steps of up to this many sequences
     cuda_graphs: bool = default_of("cuda_graphs")
     cuda_graph_max_batch: int = default_of("cuda_graph_max_batch")
@@ -117,7 +115,7 @@ class ModelRunner:
         log.info("%s", choice.describe(config.dtype))
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
         if self.device.type == "cpu":
-            self._prepare_cpu_model(config)
+            self._prepare_cpu_model()
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         # this rank's KV heads; every rank holds the same block ids, each for its own heads
@@ -158,7 +156,7 @@ class ModelRunner:
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
 
-    def _prepare_cpu_model(self, config: RunnerConfig) -> None:
+    def _prepare_cpu_model(self) -> None:
         """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (layers.cpu_bf16_linear);
         otherwise linear weights packed for the C kernel or oneDNN (layers.cpu_linear). fp32
         arithmetic also takes the fused norm, SiLU and rotary kernels (layers.cpu_fused). One log line
@@ -168,10 +166,8 @@ class ModelRunner:
         if self.dtype == torch.bfloat16 and not cpu.native_bf16:
             compute_dtype = torch.float32
             linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(self.model)
-        elif config.cpu_packed_linear:
-            linears = pack_linears_for_cpu(self.model) or "plain torch matmuls"
         else:
-            linears = "plain torch matmuls"
+            linears = pack_linears_for_cpu(self.model) or "plain torch matmuls"
         fused = compute_dtype == torch.float32 and use_fused_cpu_kernels(self.model) > 0
         log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s", linears,
                  "fused C" if fused else "torch operators", prepare_cpu_attention(compute_dtype, self.dtype))

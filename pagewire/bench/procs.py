@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from pagewire.bench.server import child_pids
+from pagewire.bench.server import child_pids, descendant_pids
 
 
 def cpu_seconds(pid: int, waited_children: bool = False) -> float:
@@ -52,3 +52,25 @@ def serve_roles(serve_pid: int) -> dict[str, list[int]]:
 
 def cpu_by_role(roles: dict[str, list[int]], waited_children: bool = False) -> dict[str, float]:
     return {role: sum(cpu_seconds(p, waited_children) for p in pids) for role, pids in roles.items()}
+
+
+class RunCpu:
+    """Where the CPU went while a run went on: each process of the server under test and this one
+    (the client), in seconds, and what processes other than these took (on a shared machine, what
+    the figures lost to others)."""
+
+    def __init__(self, server_pid: int, roles: dict[str, list[int]]):
+        self.server_pid = server_pid
+        self.roles = {**roles, "client": [os.getpid()]}
+
+    def _ours(self) -> float:
+        return sum(cpu_seconds(p) for p in [os.getpid(), self.server_pid, *descendant_pids(self.server_pid)])
+
+    def start(self) -> None:
+        self.busy0, self.ours0, self.by_role0 = busy_cpu_seconds(), self._ours(), cpu_by_role(self.roles)
+
+    def stop(self) -> tuple[float, dict[str, float]]:
+        """(CPU seconds other processes took, CPU seconds by role)."""
+        others = max(0.0, busy_cpu_seconds() - self.busy0 - (self._ours() - self.ours0))
+        by_role = {role: cpu - self.by_role0[role] for role, cpu in cpu_by_role(self.roles).items()}
+        return others, by_role
