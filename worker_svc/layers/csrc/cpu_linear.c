@@ -79,20 +79,19 @@ static inline float weight_at(const void *panel, int wide, int64_t kk, int j) {
 }
 
 /* acc[r][0..15] = sum over k of x[r][k] * panel column, for rows r < mr (mr and wide constants
- * after inlining into the switch below). Prefetches the panel at `prefetch` (the next one, or this
- * one again) row by row as it goes: unconditionally, since a branch in this loop makes gcc keep
- * the accumulators in memory. */
+ * after inlining into the switch below). Prefetches `prefetch_step` bytes of the next panel per k,
+ * starting at `prefetch`: unconditionally, since a branch in this loop makes gcc keep the
+ * accumulators in memory. */
 static inline __attribute__((always_inline)) void panel_product(
     const float *x, int64_t x_stride, const void *panel, int wide, int64_t k, int mr, float acc[MR][PANEL],
-    const char *prefetch) {
+    const char *prefetch, int64_t prefetch_step) {
 #if HAVE_AVX2
     /* named accumulators, not arrays: gcc keeps arrays of them in memory inside the loop */
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const int64_t row_bytes = PANEL * (wide ? 4 : 2);
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t kk = 0; kk < k; kk++) {
-        _mm_prefetch(prefetch + kk * row_bytes, _MM_HINT_T0);
+        _mm_prefetch(prefetch + kk * prefetch_step, _MM_HINT_T0);
         /* columns 0..7 and 8..15 of the panel's row kk, as fp32 */
         __m256 w0, w1;
         if (wide) {
@@ -121,6 +120,7 @@ static inline __attribute__((always_inline)) void panel_product(
 #undef ROW_STORE
 #else
     (void)prefetch;
+    (void)prefetch_step;
     for (int r = 0; r < mr; r++) memset(acc[r], 0, sizeof(float) * PANEL);
     for (int64_t kk = 0; kk < k; kk++) {
         float w[PANEL];
@@ -136,14 +136,14 @@ static inline __attribute__((always_inline)) void panel_product(
 /* One specialized copy per row count and weight type. */
 #define PANEL_ROWS(NAME, WIDE)                                                                            \
     static void NAME(const float *x, int64_t x_stride, const void *panel, int64_t k, int mr,                \
-                     float acc[MR][PANEL], const char *prefetch) {                                          \
+                     float acc[MR][PANEL], const char *prefetch, int64_t step) {                            \
         switch (mr) {                                                                                      \
-        case 1: panel_product(x, x_stride, panel, WIDE, k, 1, acc, prefetch); break;                       \
-        case 2: panel_product(x, x_stride, panel, WIDE, k, 2, acc, prefetch); break;                       \
-        case 3: panel_product(x, x_stride, panel, WIDE, k, 3, acc, prefetch); break;                       \
-        case 4: panel_product(x, x_stride, panel, WIDE, k, 4, acc, prefetch); break;                       \
-        case 5: panel_product(x, x_stride, panel, WIDE, k, 5, acc, prefetch); break;                       \
-        default: panel_product(x, x_stride, panel, WIDE, k, MR, acc, prefetch); break;                     \
+        case 1: panel_product(x, x_stride, panel, WIDE, k, 1, acc, prefetch, step); break;                 \
+        case 2: panel_product(x, x_stride, panel, WIDE, k, 2, acc, prefetch, step); break;                 \
+        case 3: panel_product(x, x_stride, panel, WIDE, k, 3, acc, prefetch, step); break;                 \
+        case 4: panel_product(x, x_stride, panel, WIDE, k, 4, acc, prefetch, step); break;                 \
+        case 5: panel_product(x, x_stride, panel, WIDE, k, 5, acc, prefetch, step); break;                 \
+        default: panel_product(x, x_stride, panel, WIDE, k, MR, acc, prefetch, step); break;               \
         }                                                                                                  \
     }
 PANEL_ROWS(panel_rows_f32, 1)
@@ -165,6 +165,10 @@ static void linear(const float *x, int64_t x_stride, const void *packed, int wid
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
             const int64_t num_blocks = (m1 - m0 + MR - 1) / MR;
+            /* the next panel is prefetched across all the row blocks of this one, a 1/num_blocks
+             * share each, so its stream from memory spreads over the whole time spent on this one */
+            const int64_t row_bytes = panel_bytes / (k > 0 ? k : 1);
+            const int64_t step = (row_bytes + num_blocks - 1) / num_blocks;
             /* no barrier between chunks: they write disjoint rows */
             #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < num_panels; p++) {
@@ -174,7 +178,8 @@ static void linear(const float *x, int64_t x_stride, const void *packed, int wid
                 for (int64_t b = 0, r0 = m0; b < num_blocks; b++) {
                     /* near-equal blocks: the first (rows % blocks) get one row more */
                     const int mr = (int)((m1 - m0) / num_blocks + (b < (m1 - m0) % num_blocks));
-                    (wide ? panel_rows_f32 : panel_rows_bf16)(x + r0 * x_stride, x_stride, panel, k, mr, acc, b == 0 ? next : panel);
+                    (wide ? panel_rows_f32 : panel_rows_bf16)(x + r0 * x_stride, x_stride, panel, k, mr, acc,
+                                                              next + b * k * step, step);
                     for (int r = 0; r < mr; r++) {
                         float *dst = y + (r0 + r) * y_stride + col;
                         if (bias)
