@@ -26,7 +26,8 @@ def kernel() -> cpu_kernels.CpuKernels:
     return built
 
 
-def _batch(query_lens, seq_lens, block_size, num_kv_heads, group, dtype, *, shared_prefix_blocks=0, seed=0, spread=1.0):
+def _batch(query_lens, seq_lens, block_size, num_kv_heads, group, dtype, *, shared_prefix_blocks=0, seed=0, spread=1.0,
+           head_dim=64):
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(needed) + 3
@@ -35,7 +36,6 @@ def _batch(query_lens, seq_lens, block_size, num_kv_heads, group, dtype, *, shar
     if shared_prefix_blocks:
         block_ids[1][:shared_prefix_blocks] = block_ids[0][:shared_prefix_blocks]
     meta = make_metadata(query_lens, seq_lens, block_ids, block_size)
-    head_dim = 64
     kv = (torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=gen) * spread).to(dtype)
     query = (torch.randn((sum(query_lens), num_kv_heads * group, head_dim), generator=gen) * spread).to(dtype)
     return query, kv, meta, head_dim**-0.5
@@ -58,6 +58,18 @@ def test_matches_reference_fp32(kernel, block_size, num_kv_heads, group, case):
     query, kv, meta, scale = _batch(query_lens, seq_lens, block_size, num_kv_heads, group, torch.float32, seed=case)
     out = kernel.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     torch.testing.assert_close(out, paged_attention_ref(query, kv, meta, scale), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 128, 6])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+def test_head_dims(kernel, head_dim, dtype, kv_dtype):
+    # on AVX2, multiples of 8 take the intrinsics (values: eight-lane steps only, a 64-wide chunk and
+    # a tail, two chunks), 6 the plain loops
+    query_lens, seq_lens = CASES[2]
+    query, kv, meta, scale = _batch(query_lens, seq_lens, 16, 2, 4, dtype, seed=3, head_dim=head_dim)
+    kv = kv.to(kv_dtype)
+    out = kernel.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    torch.testing.assert_close(out, paged_attention_ref(query, kv.float(), meta, scale), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
