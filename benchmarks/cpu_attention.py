@@ -2,7 +2,7 @@
 Feeds docs/benchmarks.md, section "CPU paged attention".
 
 Decode batches with contexts drawn from a range (the reference pads them to the longest), and
-single prefill chunks at a given depth (where the dispatch hands chunks longer than 4 queries
+single prefill chunks at a given depth (where the dispatch hands chunks longer than 32 queries
 to SDPA). Each figure is the best of several timed loops; the cases alternate between the two
 implementations so that the VM's drifting speed hits both alike.
 
@@ -66,7 +66,7 @@ def main() -> None:
     for num_seqs, lo, hi in ((32, 16, 80), (8, 16, 576), (32, 16, 576), (64, 200, 600)):
         lens = [rng.randint(lo, hi) for _ in range(num_seqs)]
         cases.append((f"{num_seqs} decodes, context {lo}-{hi}", [1] * num_seqs, lens))
-    for q_len, depth in ((4, 500), (32, 64), (32, 500)):
+    for q_len, depth in ((4, 500), (16, 0), (32, 64), (32, 500), (128, 0), (128, 500), (512, 0)):
         cases.append((f"one {q_len}-token chunk at depth {depth}", [q_len], [depth + q_len]))
     print(f"threads {torch.get_num_threads()}, block {BLOCK}, {KV_HEADS * GROUP}/{KV_HEADS} heads, head_dim {HEAD_DIM}")
     print(f"{'dtype':9s} {'case':40s} {'torch ref (us)':>15s} {'C kernel (us)':>14s} {'speedup':>8s}")

@@ -134,8 +134,8 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
         return _triton_kernels().paged_attention(query, kv_layer, meta, scale)
     cpu = _cpu_kernel_for(query.device, query.dtype, kv_layer.dtype)
     if cpu is not None:
-        # Decodes (and short chunks) in C; longer prefill chunks in torch's fused SDPA, whose
-        # GEMM-shaped inner loops beat the kernel's per-query dot products from ~8 queries up.
+        # Decodes and chunks of up to 32 queries in C; longer prefill chunks in torch's fused
+        # SDPA, whose GEMM-shaped inner loops beat the kernel's per-query work over deep contexts.
         out = cpu.paged_attention(
             query, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
             max_query_len=_CPU_KERNEL_MAX_QUERY_LEN,
@@ -146,8 +146,8 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
 
 
 # Sequences with at most this many query tokens go to the C kernel on CPU; the kernel and SDPA
-# break even at about 4 queries over a 500-token context (benchmarks/cpu_attention.py).
-_CPU_KERNEL_MAX_QUERY_LEN = 4
+# break even at about 32 queries over a 500-token context (benchmarks/cpu_attention.py, avx2).
+_CPU_KERNEL_MAX_QUERY_LEN = 32
 
 
 _ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
