@@ -6,9 +6,9 @@ The C kernel ``csrc/cpu_linear.c`` packs each weight into panels of 16 output co
 prefetches the next panel while it multiplies the current one by every row; it takes fp32
 weights, and bf16 weights widened to fp32 in registers (for CPUs without native bf16). Every
 product and sum is an fp32 FMA, summed in order along k. On an AVX2 CPU it runs a 32-row step
-through SmolLM2-135M's 30 layers and head about 1.4 times as fast as torch's oneDNN linear with
-prepacked weights (``benchmarks/cpu_linear.py``), which in turn is about twice as fast as the
-default CPU matmul at these sizes.
+through SmolLM2-135M's 30 layers and head about 1.6 times as fast as torch's oneDNN linear with
+prepacked weights, at about 90% of the cores' FMA peak (``benchmarks/cpu_linear.py``); oneDNN in
+turn is about twice as fast as the default CPU matmul at these sizes.
 
 :func:`pack_linears_for_cpu` puts one or the other in place of every ``nn.Linear`` and of the
 output head: the kernel on AVX2 CPUs, oneDNN (:class:`PackedLinear`) on AVX-512 ones, for bf16
