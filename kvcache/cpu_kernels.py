@@ -22,7 +22,7 @@ import torch
 from kvcache import cbuild
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_paged_attention.c"
-_ABI = 4
+_ABI = 3
 _ERRORS = {
     -1: "num_heads is not a multiple of num_kv_heads",
     -2: "query_start_loc does not span the query tokens",

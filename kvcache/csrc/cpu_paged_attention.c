@@ -256,7 +256,7 @@ DEFINE_BLOCK(bf16, uint16_t, bf16_to_f32, load8_bf16)
 
 /* Returns 0 on success, a negative code when the metadata is inconsistent (checked before any
  * work, so nothing is written on error). */
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, KVT, BLOCK_SCORES, BLOCK_VALUES)                                          \
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, KVT, BLOCK_SCORES, BLOCK_VALUES)                      \
 int NAME(const T *query,            /* [num_tokens, H, D] */                                               \
          const KVT *kv,             /* [2, num_blocks, block_size, Hkv, D] */                              \
          T *out,                    /* [num_tokens, H, D] */                                               \
@@ -358,4 +358,4 @@ DEFINE_PAGED_ATTENTION(paged_attention_f32_bf16kv, float, LOAD_F32, STORE_F32, u
                        block_values_bf16)
 
 /* The ABI version kvcache/cpu_kernels.py expects; bump it when a signature changes. */
-int pagewire_cpu_kernels_abi(void) { return 4; }
+int pagewire_cpu_kernels_abi(void) { return 3; }
