@@ -135,28 +135,6 @@ static inline __m256 exp8_neg(__m256 x) {
     return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), _mm256_mul_ps(p, scale));
 }
 
-/* s[0..len) = softmax numerators exp(s - max); returns their sum */
-static inline float softmax_row(float *s, int64_t len) {
-    int64_t j = 0;
-    __m256 m8 = _mm256_set1_ps(-INFINITY);
-    for (; j + 8 <= len; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
-    float m = hmax1(m8);
-    for (; j < len; j++) m = s[j] > m ? s[j] : m;
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 l8 = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= len; j += 8) {
-        const __m256 e = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-        _mm256_storeu_ps(s + j, e);
-        l8 = _mm256_add_ps(l8, e);
-    }
-    float l = hsum1(l8);
-    for (; j < len; j++) {
-        s[j] = exp_neg(s[j] - m);
-        l += s[j];
-    }
-    return l;
-}
-
 #define DEFINE_BLOCK(SUFFIX, KVT, LOAD1, LOAD8)                                                             \
 /* sc[j] = q . k_j for the n key rows at kb, `row` elements apart */                                        \
 static inline void block_scores_##SUFFIX(const float *q, const KVT *kb, int64_t row, int64_t n,             \
@@ -230,17 +208,6 @@ static inline void block_values_##SUFFIX(float *acc, const float *p, const KVT *
     }                                                                                                       \
 }
 #else
-static inline float softmax_row(float *s, int64_t len) {
-    float m = -INFINITY, l = 0.0f;
-    for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
-    _Pragma("omp simd reduction(+:l)")
-    for (int64_t j = 0; j < len; j++) {
-        s[j] = exp_neg(s[j] - m);
-        l += s[j];
-    }
-    return l;
-}
-
 #define DEFINE_BLOCK(SUFFIX, KVT, LOAD1, LOAD8)                                                             \
 static inline void block_scores_##SUFFIX(const float *q, const KVT *kb, int64_t row, int64_t n,             \
                                          int64_t head_dim, float *sc) {                                     \
@@ -253,6 +220,34 @@ static inline void block_values_##SUFFIX(float *acc, const float *p, const KVT *
 #endif
 DEFINE_BLOCK(f32, float, LOAD_F32, load8_f32)
 DEFINE_BLOCK(bf16, uint16_t, bf16_to_f32, load8_bf16)
+
+/* s[0..len) = softmax numerators exp(s - max); returns their sum */
+static inline float softmax_row(float *s, int64_t len) {
+    int64_t j = 0;
+    float m = -INFINITY, l = 0.0f;
+#if HAVE_AVX2
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= len; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+    m = hmax1(m8);
+#endif
+    for (; j < len; j++) m = s[j] > m ? s[j] : m;
+    j = 0;
+#if HAVE_AVX2
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 l8 = _mm256_setzero_ps();
+    for (; j + 8 <= len; j += 8) {
+        const __m256 e = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        l8 = _mm256_add_ps(l8, e);
+    }
+    l = hsum1(l8);
+#endif
+    for (; j < len; j++) {
+        s[j] = exp_neg(s[j] - m);
+        l += s[j];
+    }
+    return l;
+}
 
 /* Returns 0 on success, a negative code when the metadata is inconsistent (checked before any
  * work, so nothing is written on error). */
