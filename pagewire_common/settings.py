@@ -9,7 +9,7 @@
   defaults and checks are these (``default_of``, ``check``).
 
 A scope says which process a setting configures: ``WORKER`` (model, KV cache), ``CORE``
-(batching, admission), ``API`` (what the API servers do per stream), ``PROCESS`` (process
+(batching, admission), ``API`` (how each API server serves its clients), ``PROCESS`` (process
 layout and lifetime), ``PUBLIC`` (how the public address admits clients: API key, TLS; the API
 servers apply it). Adding a setting is one field here and its use.
 
@@ -196,10 +196,16 @@ class Settings:
         "with long prompts; 0: off, prompts take what the budget leaves (default: %(default)s)",
         scope=(CORE,), check=_at_least(0), type=int, metavar="N")
 
-    # ---- API servers: per-stream work ---------------------------------------------------------
+    # ---- API servers: how each serves its clients ---------------------------------------------
     stream_interval: int = _setting(
         1, "after a request's first token, send a response once this many tokens are ready (fewer, larger "
         "messages under heavy load; default: %(default)s, every token)", scope=(API,), check=_at_least(1), type=int)
+    grpc_listeners: int = _setting(
+        8, "gRPC servers each API server runs on the public address (SO_REUSEPORT: the kernel spreads "
+        "connections over them). grpc.aio takes in one new call at a time per server, several turns of a "
+        "busy event loop apart, so under heavy streaming one server admits about one call per engine step "
+        "and new calls queue; with more, calls on different connections are taken in side by side. A unix "
+        "socket address gets one (default: %(default)s)", scope=(API,), check=_at_least(1), type=int, metavar="N")
 
     # ---- processes ----------------------------------------------------------------------------
     api_servers: int = _setting(

@@ -435,25 +435,51 @@ def _response(request_id: str, items: list[RequestOutput]) -> pb.GenerateRespons
     return resp
 
 
-async def build_server(api: ApiServer, listen: str, reuse_port: bool, *, api_key: str | None = None,
+async def build_server(api: ApiServer, listen: str, reuse_port: bool, *, listeners: int = 1, api_key: str | None = None,
                        tls: TlsFiles | None = None):
-    """A started grpc.aio server with Generation, health and reflection; returns
-    (server, port, servicer, health servicer). With ``api_key`` every call but health and
-    reflection needs it; with ``tls`` the address speaks TLS only."""
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.so_reuseport", 1 if reuse_port else 0),
-        ],
-        interceptors=[ApiKeyInterceptor(api_key)] if api_key is not None else None,
-    )
+    """Started grpc.aio servers with Generation, health and reflection, ``listeners`` of them on
+    one address (one for a unix socket); returns (servers, port, servicer, health servicer). With
+    ``api_key`` every call but health and reflection needs it; with ``tls`` the address speaks TLS
+    only.
+
+    grpc.aio accepts a server's calls one after another, each several turns of the event loop
+    after the last, and under heavy streaming those turns are long. Several servers sharing the
+    port (SO_REUSEPORT) each accept on their own, so new calls on different connections are taken
+    in side by side instead of queueing behind one another."""
+    if listen.startswith("unix:"):
+        listeners = 1
     servicer = GenerationServicer(api)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = add_port(server, listen, tls.grpc_credentials() if tls is not None else None)
-    await server.start()
+    credentials = tls.grpc_credentials() if tls is not None else None
+    servers: list[grpc.aio.Server] = []
+    port = 0
+    try:
+        for i in range(listeners):
+            server = grpc.aio.server(
+                options=[
+                    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                    ("grpc.so_reuseport", 1 if reuse_port or listeners > 1 else 0),
+                ],
+                interceptors=[ApiKeyInterceptor(api_key)] if api_key is not None else None,
+            )
+            generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            # the first may be given port 0: the others join the port it got
+            address = listen if i == 0 else f"{listen.rpartition(':')[0]}:{port}"
+            bound = add_port(server, address, credentials)
+            servers.append(server)
+            port = port or bound
+        for server in servers:
+            await server.start()
+    except BaseException:
+        for server in servers:
+            await server.stop(grace=None)
+        raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return server, port, servicer, health_servicer
+    return servers, port, servicer, health_servicer
+
+
+async def stop_servers(servers: list[grpc.aio.Server], grace: float | None) -> None:
+    await asyncio.gather(*(server.stop(grace=grace) for server in servers))

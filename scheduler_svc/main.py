@@ -27,7 +27,7 @@ from pagewire_common.addresses import add_port, check_address_free, describe, ht
 from pagewire_common.settings import API, PUBLIC, Settings
 from pagewire_common.supervisor import Supervisor
 from pagewire_common.v1 import core_pb2_grpc
-from scheduler_svc.api_server import SERVICE_NAME, ApiServer, build_server
+from scheduler_svc.api_server import SERVICE_NAME, ApiServer, build_server, stop_servers
 from scheduler_svc.auth import TlsFiles
 from scheduler_svc.core_service import CoreService
 from scheduler_svc.http_server import start_http
@@ -166,8 +166,9 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
             check_address_free(settings.http_listen)
     tls = TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
     api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics())
-    server, port, servicer, health_servicer = await build_server(api, listen, reuse_port, api_key=settings.api_key,
-                                                                 tls=tls)
+    servers, port, servicer, health_servicer = await build_server(api, listen, reuse_port,
+                                                                  listeners=settings.grpc_listeners,
+                                                                  api_key=settings.api_key, tls=tls)
     health_holder.append(health_servicer)
     http_runner = None
     if settings.http_listen != "off":
@@ -175,7 +176,7 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
             http_runner, http_port = await start_http(api, settings.http_listen, reuse_port, api_key=settings.api_key,
                                                       ssl_context=tls.ssl_context() if tls is not None else None)
         except OSError:
-            await server.stop(grace=None)
+            await stop_servers(servers, grace=None)
             raise
         settings = settings.replace(http_listen=f"{settings.http_listen.rpartition(':')[0]}:{http_port}")
     api.start()
@@ -202,6 +203,6 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         api_log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
     if http_runner is not None:
         await http_runner.cleanup()
-    await server.stop(grace=1.0)
+    await stop_servers(servers, grace=1.0)
     await api.stop()
     return 0

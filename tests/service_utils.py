@@ -155,3 +155,19 @@ def is_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def listening_sockets(port: int) -> int:
+    """TCP sockets listening on ``port`` (IPv4 and IPv6), from /proc/net."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rpartition(":")[2], 16) == port:  # 0A: LISTEN
+                count += 1
+    return count

@@ -18,12 +18,13 @@ import pytest
 from pagewire import LLM, SamplingParams
 from pagewire.v1 import generation_pb2 as pb
 from pagewire.v1 import generation_pb2_grpc
-from tests.service_utils import REPO, Proc, descendants, free_port, sampling, wait_until
+from tests.service_utils import REPO, Proc, descendants, free_port, listening_sockets, sampling, wait_until
 from tests.tiny_models import sample_prompts
 
 pytestmark = pytest.mark.slow
 
 ENGINE = ["--block-size", "4", "--num-kv-blocks", "600", "--max-num-batched-tokens", "64"]
+LISTENERS = 3  # gRPC listeners per API server in the module's served fixture
 
 
 def own_stub(addr: str) -> generation_pb2_grpc.GenerationStub:
@@ -80,8 +81,8 @@ def offline(model_dir):
 @pytest.fixture(scope="module")
 def served(model_dir, tmp_path_factory):
     port = free_port()
-    proc = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--api-servers", "2", *ENGINE],
-                tmp_path_factory.mktemp("serve") / "serve.log")
+    proc = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--api-servers", "2",
+                 "--grpc-listeners", str(LISTENERS), *ENGINE], tmp_path_factory.mktemp("serve") / "serve.log")
     proc.wait_for_output("pagewire ready", timeout=120)
     yield proc, f"127.0.0.1:{port}"
     proc.stop(30)
@@ -90,6 +91,7 @@ def served(model_dir, tmp_path_factory):
 def test_two_api_servers_greedy_parity_over_20_connections(served, offline, model_dir):
     serve, addr = served
     assert len(api_server_pids(serve)) == 2
+    assert listening_sockets(int(addr.rpartition(":")[2])) == 2 * LISTENERS  # the flag reached both
     prompts = (sample_prompts(model_dir, n=8) * 3)[:20]
     expected = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     results: dict[int, tuple[list[int], str, pb.GenerateResponse]] = {}
@@ -152,8 +154,9 @@ def test_killing_an_api_server_fails_only_its_calls_and_serve_replaces_it(served
     all_blocks_free(addr)  # the core aborted the dead server's requests
     new = wait_until(lambda: (pids := set(api_server_pids(serve))) and len(pids) == 2 and victim not in pids and pids)
     assert len(new - old) == 1
-    # and the replacement serves: every new connection works
+    # and the replacement serves, on all its listeners: every new connection works
     wait_until(lambda: "api-server ready" in serve.output().split("exited with code")[-1], timeout=30)
+    assert listening_sockets(int(addr.rpartition(":")[2])) == 2 * LISTENERS
     for p in prompts[:6]:
         ids = [t for r in own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=5)))
                for t in r.token_ids]

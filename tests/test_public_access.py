@@ -19,7 +19,7 @@ from pagewire.client import auth_metadata, open_channel
 from pagewire_common.v1 import generation_pb2 as pb
 from pagewire_common.v1 import generation_pb2_grpc
 from scheduler_svc.auth import TlsFiles, check_authorization
-from tests.service_utils import REPO, Proc, descendants, free_port, sampling
+from tests.service_utils import REPO, Proc, descendants, free_port, listening_sockets, sampling
 
 KEY = "s3cret-key"
 
@@ -64,45 +64,53 @@ def test_tls_files_are_checked_at_load(tmp_path):
 
 
 def test_the_key_guards_every_generation_method_but_not_health_or_reflection():
-    """An API server with a key and no core behind it: a call with the key gets past the door
-    (and finds no core: UNAVAILABLE); one without is UNAUTHENTICATED."""
-    from scheduler_svc.api_server import ApiServer, build_server
+    """An API server with a key and no core behind it, on three gRPC listeners: on connections
+    spread over all of them, a call with the key gets past the door (and finds no core:
+    UNAVAILABLE); one without is UNAUTHENTICATED."""
+    from scheduler_svc.api_server import ApiServer, build_server, stop_servers
 
     async def main():
         api = ApiServer("unix:/nonexistent/core.sock")
         listen = f"127.0.0.1:{free_port()}"
-        server, _port, _servicer, _health = await build_server(api, listen, False, api_key=KEY)
+        servers, port, _servicer, _health = await build_server(api, listen, False, listeners=3, api_key=KEY)
+        codes, healths, services = {}, [], []
         try:
-            async with grpc.aio.insecure_channel(listen) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                codes = {}
-                for header in (None, f"Bearer {KEY}", "Bearer nope"):
-                    md = (("authorization", header),) if header else ()
-                    for name, call in (
-                        ("GetModelInfo", lambda: stub.GetModelInfo(pb.ModelInfoRequest(), metadata=md)),
-                        ("GetStats", lambda: stub.GetStats(pb.StatsRequest(), metadata=md, timeout=10)),
-                        ("Generate", lambda: _drain(stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=md))),
-                        ("Chat", lambda: _drain(stub.Chat(pb.ChatRequest(messages=[pb.ChatMessage(
-                            role="user", content="hi")]), metadata=md))),
-                    ):
-                        try:
-                            await call()
-                            codes[header, name] = grpc.StatusCode.OK
-                        except grpc.aio.AioRpcError as e:
-                            codes[header, name] = e.code()
-                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-                services = await _list_services(channel)
+            assert len(servers) == 3 and listening_sockets(port) == 3
+            for conn in range(6):
+                # a connection of its own each: the kernel hands each to one of the listeners
+                async with grpc.aio.insecure_channel(listen, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+                    stub = generation_pb2_grpc.GenerationStub(channel)
+                    for header in (None, f"Bearer {KEY}", "Bearer nope"):
+                        md = (("authorization", header),) if header else ()
+                        for name, call in (
+                            ("GetModelInfo", lambda: stub.GetModelInfo(pb.ModelInfoRequest(), metadata=md)),
+                            ("GetStats", lambda: stub.GetStats(pb.StatsRequest(), metadata=md, timeout=10)),
+                            ("Generate", lambda: _drain(stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=md))),
+                            ("Chat", lambda: _drain(stub.Chat(pb.ChatRequest(messages=[pb.ChatMessage(
+                                role="user", content="hi")]), metadata=md))),
+                        ):
+                            try:
+                                await call()
+                                codes[conn, header, name] = grpc.StatusCode.OK
+                            except grpc.aio.AioRpcError as e:
+                                codes[conn, header, name] = e.code()
+                    healths.append(await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()))
+                    services.append(await _list_services(channel))
         finally:
-            await server.stop(None)
+            await stop_servers(servers, None)
             await api.stop()
-        return codes, health, services
+        return codes, healths, services, port
 
-    codes, health, services = asyncio.run(main())
-    for (header, name), code in codes.items():
+    codes, healths, services, port = asyncio.run(main())
+    assert len(codes) == 6 * 3 * 4
+    for (_conn, header, name), code in codes.items():
         wanted = grpc.StatusCode.UNAVAILABLE if header == f"Bearer {KEY}" else grpc.StatusCode.UNAUTHENTICATED
         assert code == wanted, (header, name)
-    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered: no core yet
-    assert "pagewire.v1.Generation" in services
+    for health in healths:
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered: no core yet
+    for names in services:
+        assert "pagewire.v1.Generation" in names
+    assert listening_sockets(port) == 0  # all stopped
 
 
 async def _drain(call):
