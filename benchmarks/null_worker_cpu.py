@@ -83,7 +83,15 @@ def measure(num_api_servers: int, args) -> dict:
         "cpu_us_per_token": us_per_token,
         "api_server_us_per_token": sum(api),  # all API servers together: the tier's cost per token
         "client_cpu": [int(x) for x in re.findall(r"client CPU (\d+)%", out)],
+        # time to first token over the measured runs together: how long new calls wait to get in
+        **{f"ttft_{q}_ms": _table_value(out, f"TTFT {q} (ms)") for q in ("p50", "p99")},
     }
+
+
+def _table_value(out: str, metric: str) -> float | None:
+    """A metric's value in `pagewire bench`'s summary table."""
+    m = re.search(re.escape(metric) + r"\s+([\d,]+\.?\d*)", out)
+    return float(m.group(1).replace(",", "")) if m else None
 
 
 def main() -> int:
@@ -106,7 +114,7 @@ def main() -> int:
         per_role = ", ".join(f"{role} {us:.1f}" for role, us in cpu.items())
         core, api = cpu["core"], r["api_server_us_per_token"]
         print(f"--api-servers {r['api_servers']}: {', '.join(f'{x:,.0f}' for x in r['completion_tok_s'])} tok/s; "
-              f"CPU us/token: {per_role}; {r['tokens_per_step']:.0f} tokens/step")
+              f"CPU us/token: {per_role}; {r['tokens_per_step']:.0f} tokens/step; TTFT p50 {r['ttft_p50_ms']} ms")
         need = -(-50_000 * api // 1e6)
         print(f"   ceiling with a core per process: the core {1e6 / core:,.0f} tok/s; each API server "
               f"{1e6 / api:,.0f} tok/s, so {need:.0f} API servers for 50,000 tok/s")
