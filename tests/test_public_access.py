@@ -64,9 +64,9 @@ def test_tls_files_are_checked_at_load(tmp_path):
 
 
 def test_the_key_guards_every_generation_method_but_not_health_or_reflection():
-    """An API server with a key and no core behind it, on three gRPC listeners: on connections
-    spread over all of them, a call with the key gets past the door (and finds no core:
-    UNAVAILABLE); one without is UNAUTHENTICATED."""
+    """An API server with a key and no core behind it, on three gRPC listeners: on six
+    connections, which the kernel spreads over them, a call with the key gets past the door (and
+    finds no core: UNAVAILABLE); one without is UNAUTHENTICATED."""
     from scheduler_svc.api_server import ApiServer, build_server, stop_servers
 
     async def main():
