@@ -38,17 +38,24 @@ log = logging.getLogger("pagewire.supervisor")
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int | None = None) -> None:
+def die_with_parent(parent: int | None = None, *, unwind: bool = True) -> None:
     """In a child (started by a ``Supervisor``, or ``parent`` given): have the kernel send SIGTERM
     when the parent dies (Linux), exit at once if it already has, let SIGTERM raise SystemExit,
-    and remove the parent's temp folder at exit when the parent is gone by then."""
+    and remove the parent's temp folder at exit when the parent is gone by then.
+
+    ``unwind=False`` keeps SIGTERM's default instead: the child dies on the spot and runs no
+    Python. That suits a helper with nothing to clean up, whose SIGTERM can come while it is
+    already exiting (a SystemExit raised inside interpreter shutdown prints a stray traceback).
+    The kernel sends the signal when the *thread* that started the child ends, not only the
+    process."""
     env_parent, run_dir = envs.pop_parent()
     parent = env_parent if parent is None else int(parent)
     if parent is None or not sys.platform.startswith("linux"):
         return
     if run_dir:
         atexit.register(_remove_if_orphaned, run_dir, parent)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if unwind:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -228,7 +228,10 @@ def _pool_init(files: dict[str, bytes], parent_pid: int) -> None:
     global _pool_tokenizer
     from pagewire_common.supervisor import die_with_parent
 
-    die_with_parent(parent_pid)  # a hard kill of the API server takes its helper down too
+    # a hard kill of the API server takes its helper down too; so does the end of the thread that
+    # started it (the event loop's default executor, at shutdown), which can come while the helper
+    # is leaving on its own: SIGTERM kills it outright, with nothing to unwind
+    die_with_parent(parent_pid, unwind=False)
     _pool_tokenizer = Tokenizer.from_files(files)
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer, _bytes_to_unicode
+from scheduler_svc.tokenizer import IncrementalDetokenizer, OffloadedTokenizer, Tokenizer, _bytes_to_unicode
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +86,23 @@ def test_byte_level_fast_path_equals_generic_decode(tok, tiny_model_dir):
         fast, _ = stream(tok, [5, 6, 7], ids)
         slow, _ = stream(generic, [5, 6, 7], ids)
         assert "".join(fast) == tok.decode(ids) == "".join(slow), ids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_tokenizer_helper_dies_outright_when_the_thread_that_started_it_ends(tok):
+    """The API server starts its tokenizer helper from a thread of the event loop's default
+    executor, and the kernel sends the helper SIGTERM when that thread ends (at shutdown), maybe
+    while the helper is leaving on its own. It must die on the spot, not raise SystemExit in
+    Python's shutdown, where the exception prints a stray traceback into the service's log."""
+    offloaded = OffloadedTokenizer(tok)
+    try:
+        with ThreadPoolExecutor(1) as starter:
+            starter.submit(offloaded.warm_up).result()
+            helpers = list(offloaded._pool._processes.values())
+            assert [h.is_alive() for h in helpers] == [True]
+        # the starting thread has ended
+        for helper in helpers:
+            helper.join(10)
+        assert [h.exitcode for h in helpers] == [-signal.SIGTERM]
+    finally:
+        offloaded.close()
