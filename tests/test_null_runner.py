@@ -36,14 +36,18 @@ def new_seq(seq_id, token_ids, block_ids, num_scheduled, num_computed=0) -> NewS
     return NewSequence(seq_id, list(token_ids), list(block_ids), num_computed, num_scheduled, GREEDY)
 
 
-def test_interface_matches_what_the_worker_server_uses(runner, model_dir):
+def test_interface_matches_what_the_worker_server_uses(runner, model_dir, real_runner):
+    from worker_svc.dtypes import dtype_name
     from worker_svc.server import WorkerServicer
 
     info = WorkerServicer(runner, "tiny", tuple(runner.model_config.eos_token_ids)).info_response()
     assert info.model_type == "llama"
     assert (info.block_size, info.num_kv_blocks) == (BLOCK_SIZE, NUM_BLOCKS)
     assert info.max_model_len == 256
-    assert (info.dtype, info.device) == ("float32", "null")
+    # "auto" resolves as the real worker's does on this host (bfloat16 on a CPU with native bf16)
+    assert (info.dtype, info.device) == (dtype_name(real_runner.dtype), "null")
+    for dtype in ("float32", "bfloat16"):
+        assert NullRunner(model_dir, RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, dtype=dtype)).dtype == dtype
     assert b"<|im_end|>" in info.tokenizer_files["tokenizer.json"]
     assert runner.model_dir == model_dir and runner.num_seqs == 0
     default = NullRunner(model_dir)
