@@ -20,10 +20,13 @@ NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 @dataclass(frozen=True, slots=True)
 class CpuInfo:
     """``model``: the "model name" line (None where there is none, as on Arm); ``flags``: the
-    feature flags of the first CPU listed."""
+    feature flags of the first CPU listed; ``vendor`` and ``family``: its ``vendor_id`` and
+    ``cpu family`` lines (x86; None elsewhere)."""
 
     model: str | None
     flags: frozenset[str]
+    vendor: str | None = None
+    family: int | None = None
 
     @property
     def isa_flags(self) -> list[str]:
@@ -43,7 +46,8 @@ class CpuInfo:
 
 def parse_cpuinfo(text: str) -> CpuInfo:
     """The model and flags in the text of ``/proc/cpuinfo`` (x86 ``flags`` or Arm ``Features``)."""
-    model = None
+    model = vendor = None
+    family: int | None = None
     flags: frozenset[str] = frozenset()
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -54,7 +58,11 @@ def parse_cpuinfo(text: str) -> CpuInfo:
             model = value.strip()
         elif key in ("flags", "Features") and not flags:
             flags = frozenset(value.split())
-    return CpuInfo(model, flags)
+        elif key == "vendor_id" and vendor is None:
+            vendor = value.strip()
+        elif key == "cpu family" and family is None and value.strip().isdigit():
+            family = int(value)
+    return CpuInfo(model, flags, vendor, family)
 
 
 @functools.cache

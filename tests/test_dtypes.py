@@ -19,7 +19,8 @@ from worker_svc.runner import ModelRunner, RunnerConfig
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
-AVX512_BF16 = CpuInfo("AMD EPYC 9R14", frozenset({"avx", "avx2", "avx512f", "avx512_bf16"}))
+AVX512_BF16 = CpuInfo("Intel Xeon Platinum 8488C", frozenset({"avx", "avx2", "avx512f", "avx512_bf16"}), "GenuineIntel", 6)
+ZEN4 = CpuInfo("AMD EPYC 9R14", frozenset({"avx", "avx2", "avx512f", "avx512_bf16"}), "AuthenticAMD", 25)
 AMX = CpuInfo("Intel Xeon", frozenset({"avx", "avx2", "avx512f", "amx_bf16", "amx_tile"}))
 AVX2 = CpuInfo("AMD EPYC", frozenset({"avx", "avx2", "fma", "f16c"}))
 
@@ -84,6 +85,10 @@ def test_the_probe_reads_flags_and_native_bf16():
     text = "processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx avx2 avx512f avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n"
     info = parse_cpuinfo(text)
     assert info.model == "X" and info.isa == "avx512_bf16" and info.native_bf16
+    assert (info.vendor, info.family) == (None, None)
+    info = parse_cpuinfo("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: avx2\n"
+                         "vendor_id\t: GenuineIntel\ncpu family\t: 6\n")
+    assert (info.vendor, info.family) == ("AuthenticAMD", 25)
     assert not parse_cpuinfo("flags : fpu avx2\n").native_bf16
     assert parse_cpuinfo("").isa is None
 

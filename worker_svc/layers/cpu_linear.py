@@ -11,7 +11,8 @@ prepacked weights, at about 90% of the cores' FMA peak (``benchmarks/cpu_linear.
 turn is about twice as fast as the default CPU matmul at these sizes.
 
 :func:`pack_linears_for_cpu` puts one or the other in place of every ``nn.Linear`` and of the
-output head: the kernel on AVX2 CPUs, oneDNN (:class:`PackedLinear`) on AVX-512 ones, for bf16
+output head: the kernel for fp32 weights on AVX2 CPUs and on AMD Zen 4 (whose AVX-512 is half
+width; 1.3x oneDNN at 32 rows), oneDNN (:class:`PackedLinear`) on other AVX-512 CPUs, for bf16
 weights on CPUs with native bf16, and where no C compiler is found.
 :func:`linear_ref` is the plain-torch reference the kernel is held to. Applied on CPU only; CUDA
 keeps plain ``nn.Linear``.
@@ -179,10 +180,20 @@ def replace_linears(model: nn.Module, make_linear) -> int:
     return replaced
 
 
+# (vendor, x86 family) whose AVX-512 is half width. AMD family 25 with AVX-512 is Zen 4 (without
+# it, Zen 3): each 512-bit FMA runs as two 256-bit halves, so AVX-512 adds no FMA throughput there
+# (115 GFLOP/s per core with either width, measured). Zen 5 (family 26) has full-width units.
+_HALF_WIDTH_AVX512 = (("AuthenticAMD", 25),)
+
+
 def kernel_beats_onednn(cpu: cpu_features.CpuInfo) -> bool:
-    """Whether fp32 linears go to the C kernel: on AVX2 CPUs without AVX-512, where it is measured
-    faster. With AVX-512, oneDNN multiplies 16 floats per instruction to the kernel's 8."""
-    return "avx2" in cpu.flags and "avx512f" not in cpu.flags
+    """Whether fp32 linears go to the C kernel: on AVX2 CPUs without AVX-512, and on AMD Zen 4,
+    whose AVX-512 is half width, where it is measured faster (``benchmarks/cpu_linear.py``: 1.6x
+    oneDNN at 32 rows on Zen 3, 1.3x on Zen 4). With full-width AVX-512, oneDNN multiplies 16
+    floats per FMA to the kernel's 8, and keeps the linears."""
+    if "avx2" not in cpu.flags:
+        return False
+    return "avx512f" not in cpu.flags or (cpu.vendor, cpu.family) in _HALF_WIDTH_AVX512
 
 
 def pack_linears_for_cpu(model: nn.Module) -> str | None:
