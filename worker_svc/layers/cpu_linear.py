@@ -12,8 +12,10 @@ turn is about twice as fast as the default CPU matmul at these sizes.
 
 :func:`pack_linears_for_cpu` puts one or the other in place of every ``nn.Linear`` and of the
 output head: the kernel for fp32 weights on AVX2 CPUs and on AMD Zen 4 (whose AVX-512 is half
-width; 1.3x oneDNN at 32 rows), oneDNN (:class:`PackedLinear`) on other AVX-512 CPUs, for bf16
-weights on CPUs with native bf16, and where no C compiler is found.
+width; 1.3x oneDNN at 32 rows), and for a bf16 model on CPUs with AVX-512 BF16 but no AMX
+(:class:`PairLinear`, bf16 in and out, fp32 sums of ``vdpbf16ps`` dot products; 1.26x oneDNN's
+bf16 at 32 rows on Zen 4); oneDNN (:class:`PackedLinear`) on other AVX-512 CPUs, for bf16 with
+AMX, and where no C compiler is found.
 :func:`linear_ref` is the plain-torch reference the kernel is held to. Applied on CPU only; CUDA
 keeps plain ``nn.Linear``.
 """
@@ -35,7 +37,7 @@ from pagewire_common import cpu_features
 log = logging.getLogger("pagewire.worker")
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_linear.c"
-_ABI = 2
+_ABI = 3
 _PANEL = 16  # output columns per packed panel (csrc/cpu_linear.c)
 KERNEL_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -62,6 +64,14 @@ class LinearKernel:
             pack.argtypes = [p, p, i64, i64]
             self._linear[dtype], self._pack[dtype] = linear, pack
         self.simd = bool(lib.linear_simd())
+        self._linear_pairs = lib.linear_bf16_pairs
+        self._linear_pairs.restype = None
+        self._linear_pairs.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
+        self._pack_pairs = lib.linear_pack_bf16_pairs
+        self._pack_pairs.restype = None
+        self._pack_pairs.argtypes = [p, p, i64, i64]
+        # the bf16-pair layout on AVX-512 BF16 dot products (else a portable loop, for tests)
+        self.pairs_simd = bool(lib.linear_pairs_simd())
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """weight [N, K] (cast to ``dtype``, fp32 or bf16) -> the kernel's layout: [ceil(N / 16), K, 16]."""
@@ -72,6 +82,34 @@ class LinearKernel:
         packed = torch.empty((-(-n // _PANEL), k, _PANEL), dtype=dtype)
         self._pack[dtype](weight.data_ptr(), packed.data_ptr(), n, k)
         return packed
+
+    def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] (cast to bf16) -> the bf16-pair layout: [ceil(N / 16), ceil(K / 2), 16] int32,
+        lane j of pair q holding W[16p + j][2q] and W[16p + j][2q + 1]."""
+        n, k = weight.shape
+        weight = weight.detach().to(torch.bfloat16).contiguous()
+        packed = torch.empty((-(-n // _PANEL), -(-k // 2), _PANEL), dtype=torch.int32)
+        self._pack_pairs(weight.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+
+    def linear_pairs(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] bf16 -> [M, N] bf16 with ``packed`` from :meth:`pack_pairs` and ``bias`` [N] fp32
+        or None; sums in fp32, rounded to bf16 once."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(f"the bf16-pair linear takes bfloat16 CPU inputs, got {x.dtype} on {x.device}")
+        if packed.shape[1] != -(-k // 2) or packed.shape[0] * _PANEL < out_features:
+            raise ValueError(f"input [{m}, {k}] does not fit a packed weight {tuple(packed.shape)} of {out_features} outputs")
+        if k % 2 or x.stride(1) != 1 or x.stride(0) % 2:  # the kernel reads x in aligned pairs
+            x = torch.nn.functional.pad(x, (0, k % 2)) if k % 2 else x.contiguous()
+        out = torch.empty((m, out_features), dtype=torch.bfloat16)
+        if m:
+            self._linear_pairs(
+                x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                out.data_ptr(), out_features, m, out_features, x.shape[1],
+            )  # fmt: skip
+        return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N] fp32 with ``packed`` from :meth:`pack` and ``bias`` [N] fp32 or None."""
@@ -121,6 +159,29 @@ class KernelLinear(nn.Module):
         weight = "bf16" if self.packed_weight.dtype == torch.bfloat16 else "fp32"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight={weight}, compute=fp32, packed=C kernel")
+
+
+class PairLinear(nn.Module):
+    """``y = x W^T + b`` for a bf16 model on a CPU with AVX-512 BF16: W kept only in the kernel's
+    bf16-pair layout, x and y bf16, b fp32, the sums fp32 (one ``vdpbf16ps`` per pair of inputs).
+    Input [..., in] -> [..., out]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: LinearKernel):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.lib = lib
+        self.register_buffer("packed_weight", lib.pack_pairs(weight), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            shape = x.shape
+            return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
+        return self.lib.linear_pairs(x.to(torch.bfloat16), self.packed_weight, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight=bf16, compute=bf16 dot products, packed=C kernel")
 
 
 def mkldnn_linear_available() -> bool:
@@ -196,19 +257,30 @@ def kernel_beats_onednn(cpu: cpu_features.CpuInfo) -> bool:
     return "avx512f" not in cpu.flags or (cpu.vendor, cpu.family) in _HALF_WIDTH_AVX512
 
 
+def pairs_beat_onednn(cpu: cpu_features.CpuInfo) -> bool:
+    """Whether a bf16 model's linears go to the kernel's bf16-pair layout: on CPUs with AVX-512 BF16
+    dot products and no AMX tiles (``benchmarks/cpu_linear.py``, AMD Zen 4: a 32-row pass through
+    SmolLM2's linears 1.26x as fast as oneDNN's bf16, 87% of the dot products' peak). With AMX,
+    oneDNN multiplies bf16 on tiles, far beyond what vector dot products reach."""
+    return "avx512_bf16" in cpu.flags and "amx_bf16" not in cpu.flags
+
+
 def pack_linears_for_cpu(model: nn.Module) -> str | None:
     """Pack every linear of ``model`` on CPU: fp32 weights for the C kernel where
-    :func:`kernel_beats_onednn` (and a C compiler is found), else for oneDNN, which also takes bf16
-    on CPUs with native bf16. Returns what the linears run on, for the log; None (nothing changed)
-    off CPU, for other dtypes, or when neither is available."""
+    :func:`kernel_beats_onednn`, bf16 weights (on CPUs with native bf16) in its pair layout where
+    :func:`pairs_beat_onednn` and the kernel was built with AVX-512 BF16 (a C compiler is needed
+    for both), else for oneDNN. Returns what the linears run on, for the log; None (nothing
+    changed) off CPU, for other dtypes, or when neither is available."""
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
         return None
     cpu = cpu_features.cpu_info()
-    lib = kernel() if first.dtype == torch.float32 and kernel_beats_onednn(cpu) else None
-    if lib is not None:
+    if first.dtype == torch.float32 and kernel_beats_onednn(cpu) and (lib := kernel()) is not None:
         replace_linears(model, functools.partial(KernelLinear, lib=lib))
         return f"C kernel, fp32 weights ({cpu.isa})"
+    if first.dtype == torch.bfloat16 and pairs_beat_onednn(cpu) and (lib := kernel()) is not None and lib.pairs_simd:
+        replace_linears(model, functools.partial(PairLinear, lib=lib))
+        return f"C kernel, bf16 weights, AVX-512 BF16 dot products ({cpu.isa})"
     if not mkldnn_linear_available():
         return None
     try:

@@ -1,0 +1,133 @@
+"""The CPU linear kernel's bf16-pair layout (worker_svc/layers/cpu_linear.py, ``PairLinear``): a
+bf16 model's linears on CPUs with AVX-512 BF16 dot products, bf16 in and out with fp32 sums. Where
+the kernel was built without AVX-512 BF16 the same layout runs a portable loop, so every host
+checks the packing, the blocking and the rounding; an AVX-512 BF16 host checks the dot products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvcache import cbuild
+from pagewire_common import cpu_features
+from tests.test_cpu_linear import SHAPES
+from tests.test_dtypes import AMX, AVX2, AVX512_BF16, ZEN4
+from worker_svc.layers import cpu_linear
+from worker_svc.layers.cpu_linear import PackedLinear, PairLinear, pack_linears_for_cpu
+
+pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
+
+
+@pytest.fixture(scope="module")
+def lib() -> cpu_linear.LinearKernel:
+    built = cpu_linear.kernel()
+    assert built is not None, "the CPU linear kernel did not build (see the log)"
+    return built
+
+
+def bits(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def test_pair_layout_puts_two_inputs_in_each_lane(lib):
+    weight = torch.randn(20, 5)  # 2 panels (the second 4 columns wide), 3 pairs (the last half empty)
+    packed = lib.pack_pairs(weight)
+    assert packed.shape == (2, 3, 16) and packed.dtype == torch.int32
+    lanes = packed.to(torch.int64) & 0xFFFFFFFF
+    w = bits(weight)
+    for p in range(2):
+        for q in range(3):
+            for j in range(16):
+                col = 16 * p + j
+                lo = w[col, 2 * q].item() if col < 20 else 0
+                hi = w[col, 2 * q + 1].item() if col < 20 and 2 * q + 1 < 5 else 0
+                assert lanes[p, q, j].item() == lo | hi << 16, (p, q, j)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Exact products of the bf16 inputs, summed in fp64, plus the fp32 bias."""
+    out = x.double() @ weight.to(torch.bfloat16).double().T
+    return out if bias is None else out + bias.double()
+
+
+def assert_rounded_close(out: torch.Tensor, expected: torch.Tensor, in_features: int) -> None:
+    """``out`` is bf16: the fp32 sum rounded once, so within half a bf16 step (2^-9 relative) of the
+    exact sum, plus the fp32 sums' own error, which cancellation can leave large next to a small
+    output: K * 2^-24 of the summed magnitudes, bounded here by the largest output's."""
+    assert out.dtype == torch.bfloat16
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.double(), expected, rtol=2.0**-8, atol=in_features * 2.0**-22 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_pair_kernel_matches_exact_sums(lib, rows, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(rows * 5 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    out = lib.linear_pairs(x, lib.pack_pairs(weight), out_features, b)
+    assert out.shape == (rows, out_features)
+    assert_rounded_close(out, reference(x, weight, b), in_features)
+
+
+def test_pair_module_takes_strided_3d_and_empty_inputs(lib):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 24, generator=gen).bfloat16()
+    bias = torch.randn(40, generator=gen).bfloat16()
+    layer = PairLinear(weight, bias, lib)
+    wide = torch.randn(9, 48, generator=gen).bfloat16()
+    for x in (wide[:, :24], wide[:, 1:25], wide[:, ::2]):  # rows 48 apart; an odd start; columns 2 apart
+        expected = reference(x, weight, bias.float())
+        assert_rounded_close(layer(x), expected, 24)
+        assert_rounded_close(layer(x.reshape(3, 3, 24)).reshape(9, 40), expected, 24)
+    assert_rounded_close(layer(wide[:, :24].float()), reference(wide[:, :24], weight, bias.float()), 24)
+    assert layer(torch.empty(0, 24, dtype=torch.bfloat16)).shape == (0, 40)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer(torch.randn(2, 26).bfloat16())
+    with pytest.raises(ValueError, match="bfloat16 CPU inputs"):
+        lib.linear_pairs(torch.randn(2, 24), layer.packed_weight, 40, None)
+
+
+def test_the_pair_kernel_rounds_to_nearest_even(lib):
+    # one input: each output is w * 1.0 + bias exactly in fp32, then rounded to bf16 as torch rounds
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(64, generator=gen)
+    weight = torch.randn(64, 1, generator=gen).bfloat16()
+    x = torch.ones(3, 1, dtype=torch.bfloat16)
+    out = lib.linear_pairs(x, lib.pack_pairs(weight), 64, bias)
+    expected = (weight.float().T + bias).to(torch.bfloat16).expand(3, 64)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("cpu, pairs_simd, layer_type, used", [
+    (ZEN4, True, PairLinear, "C kernel, bf16 weights, AVX-512 BF16 dot products (avx512_bf16)"),
+    (AVX512_BF16, True, PairLinear, "C kernel, bf16 weights, AVX-512 BF16 dot products (avx512_bf16)"),
+    # AMX tiles beat vector dot products; a kernel built without AVX-512 BF16 is only the portable loop
+    (AMX, True, PackedLinear, "oneDNN, prepacked bf16 weights (amx_bf16)"),
+    (ZEN4, False, PackedLinear, "oneDNN, prepacked bf16 weights (avx512_bf16)"),
+])
+def test_a_bf16_model_on_a_native_bf16_cpu_gets_the_pair_kernel_where_it_wins(
+        tiny_model_dir, lib, monkeypatch, cpu, pairs_simd, layer_type, used):
+    from worker_svc.weights import load_model
+
+    if not cpu_linear.mkldnn_linear_available():
+        pytest.skip("oneDNN not available")
+    monkeypatch.setattr(cpu_features, "cpu_info", lambda: cpu)
+    monkeypatch.setattr(lib, "pairs_simd", pairs_simd)  # on other hosts, the portable loop stands in
+    model_dir = tiny_model_dir("qwen2-bias")  # biases, and a tied head packed on its own
+    model, config = load_model(model_dir, torch.bfloat16, "cpu")
+    hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    before = model.compute_logits(hidden).float()
+    assert pack_linears_for_cpu(model) == used
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, layer_type) for m in model.modules()) == 4 * config.num_layers + 1
+    after = model.compute_logits(hidden).float()
+    # torch's bf16 matmul and the kernel both sum in fp32 and round once: within a bf16 step or two
+    torch.testing.assert_close(after, before, atol=2.0**-6 * before.abs().max().item(), rtol=0)
+
+
+def test_the_pairs_need_avx512_bf16_and_no_amx():
+    assert not cpu_linear.pairs_beat_onednn(AVX2)
+    assert cpu_linear.pairs_beat_onednn(ZEN4) and not cpu_linear.pairs_beat_onednn(AMX)
