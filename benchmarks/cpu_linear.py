@@ -1,7 +1,8 @@
 """SmolLM2-135M's linears on CPU, by weight layout: fp32 weights packed for oneDNN, fp32 and bf16
 weights in our C kernel's panels (worker_svc/layers/cpu_linear.py), and, per layer, torch's bf16
-``F.linear`` and bf16 weights widened to fp32 on every call (the reference). Feeds
-docs/benchmarks.md, section "The CPU linears".
+``F.linear`` and bf16 weights widened to fp32 on every call (the reference). On a CPU with AVX-512
+BF16, the model pass also times oneDNN's bf16 linear and the kernel's bf16 pairs (bf16 x and y).
+Feeds docs/benchmarks.md, section "The CPU linears".
 
 Two measurements:
   * a model pass: the 4 linears of each of 30 layers and the output head, each with weights of
@@ -50,31 +51,49 @@ def alternate(cases: dict, repeats: int, loops: int | None = None) -> dict[str, 
 
 
 def model_pass(lib, rows: list[int], repeats: int) -> None:
+    """fp32 and bf16 weights widened in the kernel, against oneDNN's fp32; on a CPU with native
+    bf16 also oneDNN's bf16 and the kernel's bf16 pairs (bf16 x and y, AVX-512 BF16 dot products)."""
+    native = cpu_info().native_bf16 and lib.pairs_simd
     print(f"\nmodel pass: {NUM_LAYERS} layers x 4 linears + the head, ms per pass")
-    print("| rows | fp32, oneDNN packed | fp32, C kernel | bf16, C kernel | C fp32 vs oneDNN | GFLOP/s, C fp32 |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    extra = " bf16, oneDNN packed | bf16 pairs, C kernel | pairs vs oneDNN bf16 | GFLOP/s, pairs |" if native else ""
+    print(f"| rows | fp32, oneDNN packed | fp32, C kernel | bf16, C kernel | C fp32 vs oneDNN | GFLOP/s, C fp32 |{extra}")
+    print("| ---: " * (6 + 4 * native) + "|")
     gen = torch.Generator().manual_seed(0)
     shapes = list(LAYER_SHAPES.values()) * NUM_LAYERS + list(HEAD_SHAPE.values())
     weights = []
     for n, k in shapes:
         w = torch.randn(n, k, generator=gen) * 0.05
-        weights.append((n, k, torch.ops.mkldnn._reorder_linear_weight(w, None), lib.pack(w), lib.pack(w, torch.bfloat16)))
+        weights.append((n, k, torch.ops.mkldnn._reorder_linear_weight(w, None), lib.pack(w), lib.pack(w, torch.bfloat16),
+                        torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) if native else None,
+                        lib.pack_pairs(w) if native else None))
     flops_per_row = sum(2 * n * k for n, k in shapes)
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen) for k in {k for _, k in shapes}}
+        xs16 = {k: x.bfloat16() for k, x in xs.items()}
 
-        def onednn():
-            for n, k, dnn, _, _ in weights:
-                torch.ops.mkldnn._linear_pointwise(xs[k], dnn, None, "none", [], "")
+        def onednn(index, inputs):
+            for weight in weights:
+                torch.ops.mkldnn._linear_pointwise(inputs[weight[1]], weight[index], None, "none", [], "")
 
         def c_kernel(index):
             for weight in weights:
                 lib.linear(xs[weight[1]], weight[index], weight[0], None)
 
-        best = alternate({"onednn": onednn, "fp32": functools.partial(c_kernel, 3),
-                          "bf16": functools.partial(c_kernel, 4)}, repeats, loops=1)
-        print(f"| {m} | {best['onednn'] / 1e3:.1f} | {best['fp32'] / 1e3:.1f} | {best['bf16'] / 1e3:.1f} | "
-              f"{best['onednn'] / best['fp32']:.2f}x | {flops_per_row * m / best['fp32'] / 1e3:.0f} |", flush=True)
+        def pairs():
+            for weight in weights:
+                lib.linear_pairs(xs16[weight[1]], weight[6], weight[0], None)
+
+        cases = {"onednn": functools.partial(onednn, 2, xs), "fp32": functools.partial(c_kernel, 3),
+                 "bf16": functools.partial(c_kernel, 4)}
+        if native:
+            cases.update(onednn_bf16=functools.partial(onednn, 5, xs16), pairs=pairs)
+        best = alternate(cases, repeats, loops=1)
+        line = (f"| {m} | {best['onednn'] / 1e3:.1f} | {best['fp32'] / 1e3:.1f} | {best['bf16'] / 1e3:.1f} | "
+                f"{best['onednn'] / best['fp32']:.2f}x | {flops_per_row * m / best['fp32'] / 1e3:.0f} |")
+        if native:
+            line += (f" {best['onednn_bf16'] / 1e3:.1f} | {best['pairs'] / 1e3:.1f} | "
+                     f"{best['onednn_bf16'] / best['pairs']:.2f}x | {flops_per_row * m / best['pairs'] / 1e3:.0f} |")
+        print(line, flush=True)
 
 
 def per_layer(lib, rows: list[int], repeats: int) -> None:
