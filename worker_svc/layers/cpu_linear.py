@@ -12,8 +12,8 @@ turn is about twice as fast as the default CPU matmul at these sizes.
 
 :func:`pack_linears_for_cpu` puts one or the other in place of every ``nn.Linear`` and of the
 output head: the kernel for fp32 weights on AVX2 CPUs and on AMD Zen 4 (whose AVX-512 is half
-width; 1.3x oneDNN at 32 rows), and for a bf16 model on CPUs with AVX-512 BF16 but no AMX
-(:class:`PairLinear`, bf16 in and out, fp32 sums of ``vdpbf16ps`` dot products; 1.26x oneDNN's
+width; 1.1-1.3x oneDNN at 32 rows), and for a bf16 model on CPUs with AVX-512 BF16 but no AMX
+(:class:`PairLinear`, bf16 in and out, fp32 sums of ``vdpbf16ps`` dot products; 1.25x oneDNN's
 bf16 at 32 rows on Zen 4); oneDNN (:class:`PackedLinear`) on other AVX-512 CPUs, for bf16 with
 AMX, and where no C compiler is found.
 :func:`linear_ref` is the plain-torch reference the kernel is held to. Applied on CPU only; CUDA
@@ -250,7 +250,7 @@ _HALF_WIDTH_AVX512 = (("AuthenticAMD", 25),)
 def kernel_beats_onednn(cpu: cpu_features.CpuInfo) -> bool:
     """Whether fp32 linears go to the C kernel: on AVX2 CPUs without AVX-512, and on AMD Zen 4,
     whose AVX-512 is half width, where it is measured faster (``benchmarks/cpu_linear.py``: 1.6x
-    oneDNN at 32 rows on Zen 3, 1.3x on Zen 4). With full-width AVX-512, oneDNN multiplies 16
+    oneDNN at 32 rows on Zen 3, 1.1-1.3x on Zen 4). With full-width AVX-512, oneDNN multiplies 16
     floats per FMA to the kernel's 8, and keeps the linears."""
     if "avx2" not in cpu.flags:
         return False
@@ -260,7 +260,7 @@ def kernel_beats_onednn(cpu: cpu_features.CpuInfo) -> bool:
 def pairs_beat_onednn(cpu: cpu_features.CpuInfo) -> bool:
     """Whether a bf16 model's linears go to the kernel's bf16-pair layout: on CPUs with AVX-512 BF16
     dot products and no AMX tiles (``benchmarks/cpu_linear.py``, AMD Zen 4: a 32-row pass through
-    SmolLM2's linears 1.26x as fast as oneDNN's bf16, 87% of the dot products' peak). With AMX,
+    SmolLM2's linears 1.25x as fast as oneDNN's bf16, over 80% of the dot products' peak). With AMX,
     oneDNN multiplies bf16 on tiles, far beyond what vector dot products reach."""
     return "avx512_bf16" in cpu.flags and "amx_bf16" not in cpu.flags
 
