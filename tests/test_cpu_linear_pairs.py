@@ -78,7 +78,9 @@ def test_pair_module_takes_strided_3d_and_empty_inputs(lib):
     bias = torch.randn(40, generator=gen).bfloat16()
     layer = PairLinear(weight, bias, lib)
     wide = torch.randn(9, 48, generator=gen).bfloat16()
-    for x in (wide[:, :24], wide[:, 1:25], wide[:, ::2]):  # rows 48 apart; an odd start; columns 2 apart
+    shifted = torch.randn(9 * 24 + 1, generator=gen).bfloat16()[1:].view(9, 24)  # contiguous, 2-byte aligned
+    # rows 48 apart; an odd start; columns 2 apart; a contiguous view whose pairs are not 4-byte aligned
+    for x in (wide[:, :24], wide[:, 1:25], wide[:, ::2], shifted):
         expected = reference(x, weight, bias.float())
         assert_rounded_close(layer(x), expected, 24)
         assert_rounded_close(layer(x.reshape(3, 3, 24)).reshape(9, 40), expected, 24)

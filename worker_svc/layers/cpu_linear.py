@@ -101,8 +101,8 @@ class LinearKernel:
             raise ValueError(f"the bf16-pair linear takes bfloat16 CPU inputs, got {x.dtype} on {x.device}")
         if packed.shape[1] != -(-k // 2) or packed.shape[0] * _PANEL < out_features:
             raise ValueError(f"input [{m}, {k}] does not fit a packed weight {tuple(packed.shape)} of {out_features} outputs")
-        if k % 2 or x.stride(1) != 1 or x.stride(0) % 2:  # the kernel reads x in aligned pairs
-            x = torch.nn.functional.pad(x, (0, k % 2)) if k % 2 else x.contiguous()
+        if k % 2 or x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # the kernel reads x in aligned pairs
+            x = F.pad(x, (0, 1)) if k % 2 else x.clone(memory_format=torch.contiguous_format)
         out = torch.empty((m, out_features), dtype=torch.bfloat16)
         if m:
             self._linear_pairs(
