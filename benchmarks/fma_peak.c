@@ -15,78 +15,55 @@
 #endif
 
 #define STEPS 100000000L
-#define TWELVE(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define TWELVE(X, ...) X(0, __VA_ARGS__) X(1, __VA_ARGS__) X(2, __VA_ARGS__) X(3, __VA_ARGS__) X(4, __VA_ARGS__) \
+    X(5, __VA_ARGS__) X(6, __VA_ARGS__) X(7, __VA_ARGS__) X(8, __VA_ARGS__) X(9, __VA_ARGS__) X(10, __VA_ARGS__) \
+    X(11, __VA_ARGS__)
 
-static double seconds(void) {
+static inline double seconds(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static void report(const char *what, double flop_per_instruction, double elapsed, float checksum) {
+static inline void report(const char *what, double flop_per_instruction, double elapsed, float checksum) {
     printf("%-34s %7.1f GFLOP/s per core  (checksum %g)\n", what, STEPS * 12.0 * flop_per_instruction / elapsed / 1e9,
            checksum);
 }
 
+/* Times STEPS rounds of twelve chains acc = OP(acc), accumulators of vector type VEC started at 0..11
+ * by SET1, and reports FLOP per instruction; the "+v" asm pins each chain to a register of its own. */
+#define INIT_CHAIN(i, VEC, SET1, OP) VEC a##i = SET1((float)i);
+#define STEP_CHAIN(i, VEC, SET1, OP) a##i = OP(a##i); __asm__("" : "+v"(a##i));
+#define SUM_CHAIN(i, ...) +a##i[0]
+#define TIME_CHAINS(WHAT, VEC, SET1, OP, FLOP)                                  \
+    do {                                                                        \
+        TWELVE(INIT_CHAIN, VEC, SET1, OP)                                       \
+        const double start = seconds();                                         \
+        for (long n = 0; n < STEPS; n++) {                                      \
+            TWELVE(STEP_CHAIN, VEC, SET1, OP)                                   \
+        }                                                                       \
+        report(WHAT, FLOP, seconds() - start, 0 TWELVE(SUM_CHAIN, _));          \
+    } while (0)
+
 int main(void) {
-    double t;
 #if defined(__AVX2__) && defined(__FMA__)
-    {
-        const __m256 u = _mm256_set1_ps(1.0f), v = _mm256_set1_ps(1e-9f);
-#define INIT(i) __m256 a##i = _mm256_set1_ps((float)i);
-        TWELVE(INIT)
-#undef INIT
-        t = seconds();
-        for (long n = 0; n < STEPS; n++) {
-#define STEP(i) a##i = _mm256_fmadd_ps(u, v, a##i); __asm__("" : "+x"(a##i));
-            TWELVE(STEP)
-#undef STEP
-        }
-        t = seconds() - t;
-#define SUM(i) +a##i[0]
-        report("fp32 FMA, 256-bit (AVX2)", 16, t, 0 TWELVE(SUM));
-#undef SUM
-    }
+    const __m256 u8 = _mm256_set1_ps(1.0f), v8 = _mm256_set1_ps(1e-9f);
+#define FMA_256(a) _mm256_fmadd_ps(u8, v8, a)
+    TIME_CHAINS("fp32 FMA, 256-bit (AVX2)", __m256, _mm256_set1_ps, FMA_256, 16);
 #else
     printf("fp32 FMA, 256-bit (AVX2): not built (no AVX2/FMA)\n");
 #endif
 #if defined(__AVX512F__)
-    {
-        const __m512 u = _mm512_set1_ps(1.0f), v = _mm512_set1_ps(1e-9f);
-#define INIT(i) __m512 a##i = _mm512_set1_ps((float)i);
-        TWELVE(INIT)
-#undef INIT
-        t = seconds();
-        for (long n = 0; n < STEPS; n++) {
-#define STEP(i) a##i = _mm512_fmadd_ps(u, v, a##i); __asm__("" : "+v"(a##i));
-            TWELVE(STEP)
-#undef STEP
-        }
-        t = seconds() - t;
-#define SUM(i) +a##i[0]
-        report("fp32 FMA, 512-bit (AVX-512F)", 32, t, 0 TWELVE(SUM));
-#undef SUM
-    }
+    const __m512 u16 = _mm512_set1_ps(1.0f), v16 = _mm512_set1_ps(1e-9f);
+#define FMA_512(a) _mm512_fmadd_ps(u16, v16, a)
+    TIME_CHAINS("fp32 FMA, 512-bit (AVX-512F)", __m512, _mm512_set1_ps, FMA_512, 32);
 #else
     printf("fp32 FMA, 512-bit (AVX-512F): not built (no AVX-512F)\n");
 #endif
 #if defined(__AVX512BF16__)
-    {
-        const __m512bh u = (__m512bh)_mm512_set1_epi16(0x3f80), v = (__m512bh)_mm512_set1_epi16(0x0080);
-#define INIT(i) __m512 a##i = _mm512_set1_ps((float)i);
-        TWELVE(INIT)
-#undef INIT
-        t = seconds();
-        for (long n = 0; n < STEPS; n++) {
-#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, u, v); __asm__("" : "+v"(a##i));
-            TWELVE(STEP)
-#undef STEP
-        }
-        t = seconds() - t;
-#define SUM(i) +a##i[0]
-        report("bf16 dot product, 512-bit (BF16)", 64, t, 0 TWELVE(SUM));
-#undef SUM
-    }
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80), tiny = (__m512bh)_mm512_set1_epi16(0x0080);
+#define DOT_BF16(a) _mm512_dpbf16_ps(a, ones, tiny)
+    TIME_CHAINS("bf16 dot product, 512-bit (BF16)", __m512, _mm512_set1_ps, DOT_BF16, 64);
 #else
     printf("bf16 dot product, 512-bit (BF16): not built (no AVX-512 BF16)\n");
 #endif
