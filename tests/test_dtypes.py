@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
 AVX512_BF16 = CpuInfo("Intel Xeon Platinum 8488C", frozenset({"avx", "avx2", "avx512f", "avx512_bf16"}), "GenuineIntel", 6)
 ZEN4 = CpuInfo("AMD EPYC 9R14", frozenset({"avx", "avx2", "avx512f", "avx512_bf16"}), "AuthenticAMD", 25)
-AMX = CpuInfo("Intel Xeon", frozenset({"avx", "avx2", "avx512f", "amx_bf16", "amx_tile"}))
+AMX = CpuInfo("Intel Xeon", frozenset({"avx", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
 AVX2 = CpuInfo("AMD EPYC", frozenset({"avx", "avx2", "fma", "f16c"}))
 
 

@@ -243,7 +243,7 @@ def replace_linears(model: nn.Module, make_linear) -> int:
 
 # (vendor, x86 family) whose AVX-512 is half width. AMD family 25 with AVX-512 is Zen 4 (without
 # it, Zen 3): each 512-bit FMA runs as two 256-bit halves, so AVX-512 adds no FMA throughput there
-# (115 GFLOP/s per core with either width, measured). Zen 5 (family 26) has full-width units.
+# (117 GFLOP/s per core with either width, measured). Zen 5 (family 26) has full-width units.
 _HALF_WIDTH_AVX512 = (("AuthenticAMD", 25),)
 
 
