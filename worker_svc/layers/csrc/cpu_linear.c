@@ -120,9 +120,7 @@ static inline uint16_t f32_to_bf16(float f) {
 static inline float weight_at(const void *panel, int wide, int64_t kk, int j) {
     if (wide) return ((const float *)panel)[kk * PANEL + j];
     const uint16_t *row = (const uint16_t *)panel + kk * PANEL;
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)(j < PANEL / 2 ? row[2 * j] : row[2 * (j - PANEL / 2) + 1]) << 16;
-    return v.f;
+    return bf16_to_f32(j < PANEL / 2 ? row[2 * j] : row[2 * (j - PANEL / 2) + 1]);
 }
 
 /* acc[r][0..15] = sum over k of x[r][k] * panel column, for rows r < mr (mr and wide constants
