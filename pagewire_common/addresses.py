@@ -11,10 +11,11 @@ def check_address_free(listen: str, wait_s: float = 0.0) -> str:
     """Fail with one clear ``OSError`` when ``listen`` is taken; returns the address to use, with
     port 0 resolved to a free port.
 
-    A TCP port is tried with a plain bind: SO_REUSEPORT (the API servers' sharing) would
-    otherwise let a second server share it silently. A unix socket is taken when something
-    answers on it: gRPC removes the file of an existing socket before it binds, which would cut
-    off the server listening there without a word. ``wait_s``: keep trying that long first (a
+    A TCP port is tried with a bind that has SO_REUSEADDR, as the servers' own (connections in
+    TIME_WAIT do not hold it), and not SO_REUSEPORT (the API servers' sharing), which would let a
+    second server share it silently. A unix socket is taken when something answers on it: gRPC
+    removes the file of an existing socket before it binds, which would cut off the server
+    listening there without a word. ``wait_s``: keep trying that long first (a
     restarted scheduler's old API servers may still be letting go of the port)."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -41,6 +42,9 @@ def _try_address(listen: str) -> str:
     host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # as every server binds (gRPC, aiohttp): connections in TIME_WAIT, left by a server that
+        # stopped with clients connected, do not hold the port, but a socket listening there does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, int(port)))
         except OSError as e:

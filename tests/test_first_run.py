@@ -84,6 +84,32 @@ def test_a_taken_port_is_one_clear_line_and_a_non_zero_exit(command, model_dir):
                      "(is another server running there?)"]
 
 
+def test_a_port_left_in_time_wait_is_free_but_one_listening_with_reuseport_is_not():
+    """A server that stopped with clients connected leaves its side of each connection in
+    TIME_WAIT for up to a minute; gRPC binds the port regardless, so the check must too (a
+    scheduler restarted after a crash gave up on "Address already in use"). A listener sharing
+    the port the way API servers do still counts as taken."""
+    from pagewire_common.addresses import check_address_free
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        addr = f"127.0.0.1:{listener.getsockname()[1]}"
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        accepted.close()  # the server side closes first: its end goes to TIME_WAIT
+        client.close()
+    assert check_address_free(addr) == addr
+    with socket.socket() as sharing:
+        sharing.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listeners do
+        sharing.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sharing.bind(("127.0.0.1", int(addr.rpartition(":")[2])))
+        sharing.listen()
+        with pytest.raises(OSError, match="Address already in use"):
+            check_address_free(addr)
+
+
 @pytest.mark.slow
 def test_a_unix_socket_in_use_is_not_taken_over(model_dir, tmp_path):
     """gRPC would remove the socket file of a server listening there and bind anew."""
