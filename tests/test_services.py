@@ -167,7 +167,11 @@ def test_cancel_20_of_40_streams(services, offline, model_dir):
     prompts = [p[:40] for p in prompts]
     expected = [o.token_ids for o in offline.generate(prompts[1::2], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))]
     before = s.GetStats(pb.StatsRequest())
-    calls = [s.Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=60, ignore_eos=True))) for p in prompts]
+    # the streams to cancel ask for 200 tokens: with 60, a client thread starved of the GIL for a
+    # few dozen steps sometimes cancelled a stream the core had already finished (counted finished)
+    calls = [s.Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=60 if i % 2 else 200,
+                                                                                   ignore_eos=True)))
+             for i, p in enumerate(prompts)]
     results: dict[int, list[int]] = {}
 
     def consume(i):
@@ -188,7 +192,7 @@ def test_cancel_20_of_40_streams(services, offline, model_dir):
     for t in threads:
         t.join(60)
     assert [results[i] for i in range(1, 40, 2)] == expected
-    assert all(len(results[i]) < 60 for i in range(0, 40, 2))
+    assert all(len(results[i]) < 200 for i in range(0, 40, 2))
     stats = assert_all_blocks_free(services)
     assert stats.num_requests_aborted - before.num_requests_aborted == 20
 
