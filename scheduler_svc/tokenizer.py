@@ -285,6 +285,9 @@ class OffloadedTokenizer:
         return await asyncio.get_running_loop().run_in_executor(self._executor(), _pool_chat, messages)
 
     def close(self) -> None:
+        """Stop the helper and wait for it (tens of milliseconds; longer only if it is encoding).
+        Left to finish in the background, the pool's manager thread could close its wake-up pipe
+        while interpreter exit wrote to it: a stray ``OSError`` traceback in the log."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -106,3 +106,15 @@ def test_tokenizer_helper_dies_outright_when_the_thread_that_started_it_ends(tok
         assert [h.exitcode for h in helpers] == [-signal.SIGTERM]
     finally:
         offloaded.close()
+
+
+def test_closing_the_tokenizer_helper_waits_for_it(tok):
+    """Nothing of the pool is left running after close(): a manager thread still winding down
+    at interpreter exit raced ``concurrent.futures``' exit hook (an OSError traceback in the log)."""
+    offloaded = OffloadedTokenizer(tok)
+    offloaded.warm_up()
+    pool = offloaded._pool
+    helpers, manager = list(pool._processes.values()), pool._executor_manager_thread
+    offloaded.close()
+    assert [h.is_alive() for h in helpers] == [False] and not manager.is_alive()
+    offloaded.close()  # a second close does nothing
