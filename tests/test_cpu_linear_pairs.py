@@ -1,7 +1,9 @@
 """The CPU linear kernel's bf16-pair layout (worker_svc/layers/cpu_linear.py, ``PairLinear``): a
-bf16 model's linears on CPUs with AVX-512 BF16 dot products, bf16 in and out with fp32 sums. Where
-the kernel was built without AVX-512 BF16 the same layout runs a portable loop, so every host
-checks the packing, the blocking and the rounding; an AVX-512 BF16 host checks the dot products."""
+bf16 model's linears on CPUs with AVX-512 BF16 dot products or AMX tiles, bf16 in and out with
+fp32 sums. Where the kernel was built without AVX-512 BF16 the same layout runs a portable loop, so
+every host checks the packing, the blocking and the rounding; an AVX-512 BF16 host checks the dot
+products, and a host with AMX (Intel Xeon, Sapphire Rapids on) the tiles as well: the tile path's
+cases are skipped only where the CPU has no AMX or Linux does not grant its tiles."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pagewire_common import cpu_features
 from tests.test_cpu_linear import SHAPES
 from tests.test_dtypes import AMX, AVX2, AVX512_BF16, ZEN4
 from worker_svc.layers import cpu_linear
-from worker_svc.layers.cpu_linear import PackedLinear, PairLinear, pack_linears_for_cpu
+from worker_svc.layers.cpu_linear import PackedLinear, PairLinear, pack_linears_for_cpu, pair_rows
 
 pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
 
@@ -26,21 +28,33 @@ def lib() -> cpu_linear.LinearKernel:
     return built
 
 
+@pytest.fixture(params=["vectors", "tiles"])
+def path(request, lib, monkeypatch) -> str:
+    """Each case on both paths of the pair layout: vector dot products (or the portable loop), and
+    AMX tiles where this CPU has them."""
+    if request.param == "tiles" and not lib.pairs_amx:
+        pytest.skip("this CPU has no AMX tiles (or Linux does not grant them)")
+    monkeypatch.setattr(lib, "pairs_amx", request.param == "tiles")
+    return request.param
+
+
 def bits(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
 
 
 def test_pair_layout_puts_two_inputs_in_each_lane(lib):
-    weight = torch.randn(20, 5)  # 2 panels (the second 4 columns wide), 3 pairs (the last half empty)
+    # 2 panels (the second 4 columns wide), 3 pairs (the last half empty), zero pairs up to 16
+    weight = torch.randn(20, 5)
     packed = lib.pack_pairs(weight)
-    assert packed.shape == (2, 3, 16) and packed.dtype == torch.int32
+    assert packed.shape == (2, 16, 16) and packed.dtype == torch.int32
+    assert [pair_rows(k) for k in (1, 2, 32, 33, 576, 1000)] == [16, 16, 16, 32, 288, 512]
     lanes = packed.to(torch.int64) & 0xFFFFFFFF
     w = bits(weight)
     for p in range(2):
-        for q in range(3):
+        for q in range(16):
             for j in range(16):
                 col = 16 * p + j
-                lo = w[col, 2 * q].item() if col < 20 else 0
+                lo = w[col, 2 * q].item() if col < 20 and 2 * q < 5 else 0
                 hi = w[col, 2 * q + 1].item() if col < 20 and 2 * q + 1 < 5 else 0
                 assert lanes[p, q, j].item() == lo | hi << 16, (p, q, j)
 
@@ -60,9 +74,10 @@ def assert_rounded_close(out: torch.Tensor, expected: torch.Tensor, in_features:
     torch.testing.assert_close(out.double(), expected, rtol=2.0**-8, atol=in_features * 2.0**-22 * scale + 1e-30)
 
 
-@pytest.mark.parametrize("rows, out_features, in_features", SHAPES)
+# and 300 rows of 2000 inputs: two chunks of rows on the tiles, the second an odd number of 16
+@pytest.mark.parametrize("rows, out_features, in_features", [*SHAPES, (300, 40, 2000)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_pair_kernel_matches_exact_sums(lib, rows, out_features, in_features, bias):
+def test_pair_kernel_matches_exact_sums(lib, path, rows, out_features, in_features, bias):
     gen = torch.Generator().manual_seed(rows * 5 + in_features)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05
     b = torch.randn(out_features, generator=gen) if bias else None
@@ -72,7 +87,7 @@ def test_pair_kernel_matches_exact_sums(lib, rows, out_features, in_features, bi
     assert_rounded_close(out, reference(x, weight, b), in_features)
 
 
-def test_pair_module_takes_strided_3d_and_empty_inputs(lib):
+def test_pair_module_takes_strided_3d_and_empty_inputs(lib, path):
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(40, 24, generator=gen).bfloat16()
     bias = torch.randn(40, generator=gen).bfloat16()
@@ -92,7 +107,7 @@ def test_pair_module_takes_strided_3d_and_empty_inputs(lib):
         lib.linear_pairs(torch.randn(2, 24), layer.packed_weight, 40, None)
 
 
-def test_the_pair_kernel_rounds_to_nearest_even(lib):
+def test_the_pair_kernel_rounds_to_nearest_even(lib, path):
     # one input: each output is w * 1.0 + bias exactly in fp32, then rounded to bf16 as torch rounds
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(64, generator=gen)
@@ -103,21 +118,26 @@ def test_the_pair_kernel_rounds_to_nearest_even(lib):
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("cpu, pairs_simd, layer_type, used", [
-    (ZEN4, True, PairLinear, "C kernel, bf16 weights, AVX-512 BF16 dot products (avx512_bf16)"),
-    (AVX512_BF16, True, PairLinear, "C kernel, bf16 weights, AVX-512 BF16 dot products (avx512_bf16)"),
-    # AMX tiles beat vector dot products; a kernel built without AVX-512 BF16 is only the portable loop
-    (AMX, True, PackedLinear, "oneDNN, prepacked bf16 weights (amx_bf16)"),
-    (ZEN4, False, PackedLinear, "oneDNN, prepacked bf16 weights (avx512_bf16)"),
+@pytest.mark.parametrize("cpu, pairs_simd, pairs_amx, layer_type, used", [
+    (ZEN4, True, False, PairLinear, "C kernel, bf16 weights, AVX-512 BF16 dot products (avx512_bf16)"),
+    (AVX512_BF16, True, False, PairLinear, "C kernel, bf16 weights, AVX-512 BF16 dot products (avx512_bf16)"),
+    (AMX, True, True, PairLinear, "C kernel, bf16 weights, AMX tiles (amx_bf16)"),
+    # AMX without the tiles granted: oneDNN, not the dot products, which run at half rate there
+    (AMX, True, False, PackedLinear, "oneDNN, prepacked bf16 weights (amx_bf16)"),
+    # a kernel built without AVX-512 BF16 is only the portable loop
+    (ZEN4, False, False, PackedLinear, "oneDNN, prepacked bf16 weights (avx512_bf16)"),
 ])
 def test_a_bf16_model_on_a_native_bf16_cpu_gets_the_pair_kernel_where_it_wins(
-        tiny_model_dir, lib, monkeypatch, cpu, pairs_simd, layer_type, used):
+        tiny_model_dir, lib, monkeypatch, cpu, pairs_simd, pairs_amx, layer_type, used):
     from worker_svc.weights import load_model
 
     if not cpu_linear.mkldnn_linear_available():
         pytest.skip("oneDNN not available")
     monkeypatch.setattr(cpu_features, "cpu_info", lambda: cpu)
-    monkeypatch.setattr(lib, "pairs_simd", pairs_simd)  # on other hosts, the portable loop stands in
+    # on other hosts, the portable loop stands in for the dot products, and the vector path (or
+    # that loop) for the tiles: linear_bf16_pairs_amx falls back to it where AMX is not granted
+    monkeypatch.setattr(lib, "pairs_simd", pairs_simd)
+    monkeypatch.setattr(lib, "pairs_amx", pairs_amx)
     model_dir = tiny_model_dir("qwen2-bias")  # biases, and a tied head packed on its own
     model, config = load_model(model_dir, torch.bfloat16, "cpu")
     hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -130,6 +150,14 @@ def test_a_bf16_model_on_a_native_bf16_cpu_gets_the_pair_kernel_where_it_wins(
     torch.testing.assert_close(after, before, atol=2.0**-6 * before.abs().max().item(), rtol=0)
 
 
-def test_the_pairs_need_avx512_bf16_and_no_amx():
-    assert not cpu_linear.pairs_beat_onednn(AVX2)
-    assert cpu_linear.pairs_beat_onednn(ZEN4) and not cpu_linear.pairs_beat_onednn(AMX)
+def test_the_pairs_run_on_amx_tiles_where_granted_and_dot_products_where_there_is_no_amx(lib, monkeypatch):
+    monkeypatch.setattr(lib, "pairs_simd", True)
+    monkeypatch.setattr(lib, "pairs_amx", True)
+    assert cpu_linear.pair_instructions(AMX, lib) == "AMX tiles"
+    assert cpu_linear.pair_instructions(ZEN4, lib) == "AVX-512 BF16 dot products"
+    assert cpu_linear.pair_instructions(AVX2, lib) is None
+    monkeypatch.setattr(lib, "pairs_amx", False)
+    assert cpu_linear.pair_instructions(AMX, lib) is None
+    monkeypatch.setattr(lib, "pairs_simd", False)
+    assert cpu_linear.pair_instructions(ZEN4, lib) is None
+

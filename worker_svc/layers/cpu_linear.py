@@ -12,10 +12,11 @@ turn is about twice as fast as the default CPU matmul at these sizes.
 
 :func:`pack_linears_for_cpu` puts one or the other in place of every ``nn.Linear`` and of the
 output head: the kernel for fp32 weights on AVX2 CPUs and on AMD Zen 4 (whose AVX-512 is half
-width; 1.1-1.3x oneDNN at 32 rows), and for a bf16 model on CPUs with AVX-512 BF16 but no AMX
-(:class:`PairLinear`, bf16 in and out, fp32 sums of ``vdpbf16ps`` dot products; 1.25x oneDNN's
-bf16 at 32 rows on Zen 4); oneDNN (:class:`PackedLinear`) on other AVX-512 CPUs, for bf16 with
-AMX, and where no C compiler is found.
+width; 1.1-1.3x oneDNN at 32 rows), and for a bf16 model (:class:`PairLinear`, bf16 in and out,
+fp32 sums) on AMX tiles where the CPU has them (1.1-1.5x oneDNN's bf16 at 1-32 rows) and on
+``vdpbf16ps`` dot products on CPUs with AVX-512 BF16 and no AMX (1.25x oneDNN's bf16 at 32 rows
+on Zen 4); oneDNN (:class:`PackedLinear`) for fp32 on other AVX-512 CPUs, and where no C
+compiler is found.
 :func:`linear_ref` is the plain-torch reference the kernel is held to. Applied on CPU only; CUDA
 keeps plain ``nn.Linear``.
 """
@@ -37,8 +38,9 @@ from pagewire_common import cpu_features
 log = logging.getLogger("pagewire.worker")
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_linear.c"
-_ABI = 3
+_ABI = 4
 _PANEL = 16  # output columns per packed panel (csrc/cpu_linear.c)
+_PAIR_STEP = 16  # a bf16-pair panel holds a multiple of this many pairs (an AMX tile's worth)
 KERNEL_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -46,6 +48,11 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """The reference: x [M, K] fp32, weight [N, K] fp32 or bf16, bias [N] or None -> [M, N] fp32,
     every product and sum in fp32."""
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def pair_rows(in_features: int) -> int:
+    """The pairs of one panel of the bf16-pair layout for ``in_features`` inputs."""
+    return -(-in_features // (2 * _PAIR_STEP)) * _PAIR_STEP
 
 
 class LinearKernel:
@@ -70,8 +77,14 @@ class LinearKernel:
         self._pack_pairs = lib.linear_pack_bf16_pairs
         self._pack_pairs.restype = None
         self._pack_pairs.argtypes = [p, p, i64, i64]
+        self._linear_pairs_amx = lib.linear_bf16_pairs_amx
+        self._linear_pairs_amx.restype = None
+        self._linear_pairs_amx.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
         # the bf16-pair layout on AVX-512 BF16 dot products (else a portable loop, for tests)
         self.pairs_simd = bool(lib.linear_pairs_simd())
+        # the same layout on AMX tiles: built for a CPU with AMX-BF16 and the tiles granted by Linux;
+        # when set, linear_pairs multiplies on the tiles
+        self.pairs_amx = bool(lib.linear_pairs_amx())
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """weight [N, K] (cast to ``dtype``, fp32 or bf16) -> the kernel's layout: [ceil(N / 16), K, 16]."""
@@ -84,28 +97,30 @@ class LinearKernel:
         return packed
 
     def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [N, K] (cast to bf16) -> the bf16-pair layout: [ceil(N / 16), ceil(K / 2), 16] int32,
-        lane j of pair q holding W[16p + j][2q] and W[16p + j][2q + 1]."""
+        """weight [N, K] (cast to bf16) -> the bf16-pair layout: [ceil(N / 16), P, 16] int32, lane j
+        of pair q holding W[16p + j][2q] and W[16p + j][2q + 1], P = ceil(K / 2) rounded up to a
+        multiple of 16 (zero pairs after the last)."""
         n, k = weight.shape
         weight = weight.detach().to(torch.bfloat16).contiguous()
-        packed = torch.empty((-(-n // _PANEL), -(-k // 2), _PANEL), dtype=torch.int32)
+        packed = torch.empty((-(-n // _PANEL), pair_rows(k), _PANEL), dtype=torch.int32)
         self._pack_pairs(weight.data_ptr(), packed.data_ptr(), n, k)
         return packed
 
     def linear_pairs(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                      bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] bf16 -> [M, N] bf16 with ``packed`` from :meth:`pack_pairs` and ``bias`` [N] fp32
-        or None; sums in fp32, rounded to bf16 once."""
+        """x [M, K] bf16 -> [M, N] bf16 with ``packed`` from :meth:`pack_pairs` of a weight with K
+        inputs and ``bias`` [N] fp32 or None; sums in fp32, rounded to bf16 once. On AMX tiles
+        where :attr:`pairs_amx`, else on vector dot products (or the portable loop)."""
         m, k = x.shape
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise ValueError(f"the bf16-pair linear takes bfloat16 CPU inputs, got {x.dtype} on {x.device}")
-        if packed.shape[1] != -(-k // 2) or packed.shape[0] * _PANEL < out_features:
+        if packed.shape[1] != pair_rows(k) or packed.shape[0] * _PANEL < out_features:
             raise ValueError(f"input [{m}, {k}] does not fit a packed weight {tuple(packed.shape)} of {out_features} outputs")
         if k % 2 or x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # the kernel reads x in aligned pairs
             x = F.pad(x, (0, 1)) if k % 2 else x.clone(memory_format=torch.contiguous_format)
         out = torch.empty((m, out_features), dtype=torch.bfloat16)
         if m:
-            self._linear_pairs(
+            (self._linear_pairs_amx if self.pairs_amx else self._linear_pairs)(
                 x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                 out.data_ptr(), out_features, m, out_features, x.shape[1],
             )  # fmt: skip
@@ -162,9 +177,9 @@ class KernelLinear(nn.Module):
 
 
 class PairLinear(nn.Module):
-    """``y = x W^T + b`` for a bf16 model on a CPU with AVX-512 BF16: W kept only in the kernel's
-    bf16-pair layout, x and y bf16, b fp32, the sums fp32 (one ``vdpbf16ps`` per pair of inputs).
-    Input [..., in] -> [..., out]."""
+    """``y = x W^T + b`` for a bf16 model on a CPU with AVX-512 BF16 or AMX: W kept only in the
+    kernel's bf16-pair layout, x and y bf16, b fp32, the sums fp32 (one ``vdpbf16ps`` per pair of
+    inputs, or one ``tdpbf16ps`` per 16 rows x 32 inputs x 16 outputs). Input [..., in] -> [..., out]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: LinearKernel):
         super().__init__()
@@ -177,11 +192,13 @@ class PairLinear(nn.Module):
         if x.dim() != 2:
             shape = x.shape
             return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
+        if x.shape[1] != self.in_features:  # the packing pads the inputs, so the kernel cannot tell
+            raise ValueError(f"input {tuple(x.shape)} does not fit a linear of {self.in_features} inputs")
         return self.lib.linear_pairs(x.to(torch.bfloat16), self.packed_weight, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weight=bf16, compute=bf16 dot products, packed=C kernel")
+                f"weight=bf16, compute={'AMX tiles' if self.lib.pairs_amx else 'bf16 dot products'}, packed=C kernel")
 
 
 def mkldnn_linear_available() -> bool:
@@ -257,20 +274,29 @@ def kernel_beats_onednn(cpu: cpu_features.CpuInfo) -> bool:
     return "avx512f" not in cpu.flags or (cpu.vendor, cpu.family) in _HALF_WIDTH_AVX512
 
 
-def pairs_beat_onednn(cpu: cpu_features.CpuInfo) -> bool:
-    """Whether a bf16 model's linears go to the kernel's bf16-pair layout: on CPUs with AVX-512 BF16
-    dot products and no AMX tiles (``benchmarks/cpu_linear.py``, AMD Zen 4: a 32-row pass through
-    SmolLM2's linears 1.25x as fast as oneDNN's bf16, over 80% of the dot products' peak). With AMX,
-    oneDNN multiplies bf16 on tiles, far beyond what vector dot products reach."""
-    return "avx512_bf16" in cpu.flags and "amx_bf16" not in cpu.flags
+def pair_instructions(cpu: cpu_features.CpuInfo, lib: LinearKernel) -> str | None:
+    """What a bf16 model's linears multiply on in the kernel's bf16-pair layout, or None where
+    oneDNN's bf16 is faster (``benchmarks/cpu_linear.py``, a pass through SmolLM2's linears):
+
+    * AMX tiles, on CPUs with AMX-BF16 where Linux grants the process the tiles (Intel Xeon,
+      Sapphire Rapids on): 1.1-1.5x oneDNN's bf16, itself on AMX, at 1-32 rows; even at 64;
+    * AVX-512 BF16 dot products on CPUs with them and no AMX (AMD Zen 4): 1.25x oneDNN's bf16 at
+      32 rows, over 80% of the dot products' peak. On Intel CPUs with AMX a dot product has half
+      the throughput of an fp32 FMA, and the tiles or oneDNN win.
+    """
+    if "amx_bf16" in cpu.flags:
+        return "AMX tiles" if lib.pairs_amx else None
+    if "avx512_bf16" in cpu.flags and lib.pairs_simd:
+        return "AVX-512 BF16 dot products"
+    return None
 
 
 def pack_linears_for_cpu(model: nn.Module) -> str | None:
     """Pack every linear of ``model`` on CPU: fp32 weights for the C kernel where
-    :func:`kernel_beats_onednn`, bf16 weights (on CPUs with native bf16) in its pair layout where
-    :func:`pairs_beat_onednn` and the kernel was built with AVX-512 BF16 (a C compiler is needed
-    for both), else for oneDNN. Returns what the linears run on, for the log; None (nothing
-    changed) off CPU, for other dtypes, or when neither is available."""
+    :func:`kernel_beats_onednn`, bf16 weights in its pair layout where :func:`pair_instructions`
+    names what multiplies them (a C compiler is needed for both), else for oneDNN. Returns what
+    the linears run on, for the log; None (nothing changed) off CPU, for other dtypes, or when
+    neither is available."""
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -278,9 +304,9 @@ def pack_linears_for_cpu(model: nn.Module) -> str | None:
     if first.dtype == torch.float32 and kernel_beats_onednn(cpu) and (lib := kernel()) is not None:
         replace_linears(model, functools.partial(KernelLinear, lib=lib))
         return f"C kernel, fp32 weights ({cpu.isa})"
-    if first.dtype == torch.bfloat16 and pairs_beat_onednn(cpu) and (lib := kernel()) is not None and lib.pairs_simd:
+    if first.dtype == torch.bfloat16 and (lib := kernel()) is not None and (how := pair_instructions(cpu, lib)):
         replace_linears(model, functools.partial(PairLinear, lib=lib))
-        return f"C kernel, bf16 weights, AVX-512 BF16 dot products ({cpu.isa})"
+        return f"C kernel, bf16 weights, {how} ({cpu.isa})"
     if not mkldnn_linear_available():
         return None
     try:
