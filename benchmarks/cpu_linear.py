@@ -1,12 +1,12 @@
 """SmolLM2-135M's linears on CPU, by weight layout: fp32 weights packed for oneDNN, fp32 and bf16
 weights in our C kernel's panels (worker_svc/layers/cpu_linear.py), and, per layer, torch's bf16
 ``F.linear`` and bf16 weights widened to fp32 on every call (the reference). On a CPU with AVX-512
-BF16, the model pass also times oneDNN's bf16 linear and the kernel's bf16 pairs (bf16 x and y).
-Feeds docs/benchmarks.md, section "The CPU linears".
+BF16, the model pass also times oneDNN's bf16 linear and the kernel's bf16 pairs (bf16 x and y) on
+vector dot products, and on a CPU with AMX the same pairs on AMX tiles. Feeds docs/benchmarks.md, section "The CPU linears".
 
 Two measurements:
   * a model pass: the 4 linears of each of 30 layers and the output head, each with weights of
-    its own (120 MB in bf16, 540 MB in fp32, far past the caches), as in a decode step, which
+    its own (270 MB in bf16, 540 MB in fp32, far past the caches), as in a decode step, which
     streams every weight from memory;
   * one layer at a time (``--per-layer``), its weights warm in the caches after the first call.
 
@@ -52,12 +52,15 @@ def alternate(cases: dict, repeats: int, loops: int | None = None) -> dict[str, 
 
 def model_pass(lib, rows: list[int], repeats: int) -> None:
     """fp32 and bf16 weights widened in the kernel, against oneDNN's fp32; on a CPU with native
-    bf16 also oneDNN's bf16 and the kernel's bf16 pairs (bf16 x and y, AVX-512 BF16 dot products)."""
+    bf16 also oneDNN's bf16 and the kernel's bf16 pairs (bf16 x and y, AVX-512 BF16 dot products),
+    and with AMX the pairs on AMX tiles."""
     native = cpu_info().native_bf16 and lib.pairs_simd
+    amx = native and lib.pairs_amx
     print(f"\nmodel pass: {NUM_LAYERS} layers x 4 linears + the head, ms per pass")
     extra = " bf16, oneDNN packed | bf16 pairs, C kernel | pairs vs oneDNN bf16 | GFLOP/s, pairs |" if native else ""
+    extra += " bf16 pairs, AMX tiles | AMX vs oneDNN bf16 | GFLOP/s, AMX |" if amx else ""
     print(f"| rows | fp32, oneDNN packed | fp32, C kernel | bf16, C kernel | C fp32 vs oneDNN | GFLOP/s, C fp32 |{extra}")
-    print("| ---: " * (6 + 4 * native) + "|")
+    print("| ---: " * (6 + 4 * native + 3 * amx) + "|")
     gen = torch.Generator().manual_seed(0)
     shapes = list(LAYER_SHAPES.values()) * NUM_LAYERS + list(HEAD_SHAPE.values())
     weights = []
@@ -79,20 +82,29 @@ def model_pass(lib, rows: list[int], repeats: int) -> None:
             for weight in weights:
                 lib.linear(xs[weight[1]], weight[index], weight[0], None)
 
-        def pairs():
-            for weight in weights:
-                lib.linear_pairs(xs16[weight[1]], weight[6], weight[0], None)
+        def pairs(on_tiles: bool):
+            lib.pairs_amx = on_tiles
+            try:
+                for weight in weights:
+                    lib.linear_pairs(xs16[weight[1]], weight[6], weight[0], None)
+            finally:
+                lib.pairs_amx = amx
 
         cases = {"onednn": functools.partial(onednn, 2, xs), "fp32": functools.partial(c_kernel, 3),
                  "bf16": functools.partial(c_kernel, 4)}
         if native:
-            cases.update(onednn_bf16=functools.partial(onednn, 5, xs16), pairs=pairs)
+            cases.update(onednn_bf16=functools.partial(onednn, 5, xs16), pairs=functools.partial(pairs, False))
+        if amx:
+            cases.update(amx=functools.partial(pairs, True))
         best = alternate(cases, repeats, loops=1)
         line = (f"| {m} | {best['onednn'] / 1e3:.1f} | {best['fp32'] / 1e3:.1f} | {best['bf16'] / 1e3:.1f} | "
                 f"{best['onednn'] / best['fp32']:.2f}x | {flops_per_row * m / best['fp32'] / 1e3:.0f} |")
         if native:
             line += (f" {best['onednn_bf16'] / 1e3:.1f} | {best['pairs'] / 1e3:.1f} | "
                      f"{best['onednn_bf16'] / best['pairs']:.2f}x | {flops_per_row * m / best['pairs'] / 1e3:.0f} |")
+        if amx:
+            line += (f" {best['amx'] / 1e3:.1f} | {best['onednn_bf16'] / best['amx']:.2f}x |"
+                     f" {flops_per_row * m / best['amx'] / 1e3:.0f} |")
         print(line, flush=True)
 
 
