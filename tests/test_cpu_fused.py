@@ -1,5 +1,7 @@
 """The fused CPU kernels (worker_svc/layers/cpu_fused.py) against their torch references, and a
-model switched to them against the same model on torch operators."""
+model switched to them against the same model on torch operators, in float32 and bfloat16. The
+bf16 kernels are vectorized where the kernels were built with AVX-512 BF16 and portable loops
+elsewhere: each host checks the one it has."""
 
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ def test_silu_mul_at_the_extremes(lib):
     expected = F.silu(gate) * 2
     torch.testing.assert_close(out[0], expected, atol=1e-30, rtol=1e-6)
     assert out[0, -1] == float("inf") and (out[0, :4] <= 0).all()
+    assert torch.equal(out[0, :2], torch.zeros(2)) and torch.signbit(out[0, :2]).all()  # -0.0, as torch's
 
 
 @pytest.mark.parametrize("num_tokens, q_heads, k_heads, head_dim", [(1, 9, 3, 64), (7, 4, 4, 6), (33, 2, 1, 34)])
@@ -87,7 +90,7 @@ def test_takes_strided_and_batched_inputs_and_refuses_others(lib):
     torch.testing.assert_close(lib.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(lib.silu_mul(wide.view(2, 3, 40)), silu_mul_ref(wide).view(2, 3, 20), atol=1e-6, rtol=1e-6)
     assert lib.silu_mul(torch.empty(0, 8)).shape == (0, 4)
-    with pytest.raises(ValueError, match="float32 CPU tensors"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU tensors"):
         lib.rms_norm(x.double(), weight, 1e-6)
     with pytest.raises(ValueError, match="does not fit"):
         lib.rms_norm(x, torch.randn(21), 1e-6)
@@ -108,3 +111,78 @@ def test_model_on_fused_kernels_keeps_its_logits(kind, tmp_path):
     assert switched == 4 * config.num_layers + 1  # two norms, the attention and the MLP per layer, the final norm
     assert all(m.cpu_kernels is not None for m in model.modules() if isinstance(m, (RMSNorm, ActAndMul)))
     torch.testing.assert_close(torch.cat(PagedRunner(model, config, seed=3).step(batch[0])), expected, atol=1e-5, rtol=1e-5)
+
+
+def assert_within_a_bf16_step(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """bf16 results that round the same fp32 values, but for sums added in another order or an exp
+    a few fp32 ulp off: mostly equal, never more than one bf16 step apart; below 2^-126, where
+    AVX-512 BF16's conversion flushes to zero, zero instead of a subnormal."""
+    assert out.dtype == expected.dtype == torch.bfloat16 and out.shape == expected.shape
+    step = 2.0 ** (torch.floor(torch.log2(expected.float().abs().clamp_min(2.0**-126))) - 7)
+    assert ((out.float() - expected.float()).abs() <= step.clamp_min(2.0**-126)).all()
+    assert (out == expected).float().mean() >= 0.95
+
+
+@pytest.mark.parametrize("rows, width", SIZES)
+def test_bf16_rms_norm_rounds_as_the_torch_layer(lib, rows, width):
+    gen = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
+    norm = RMSNorm(width, 1e-5).bfloat16()  # the torch path: normalize in fp32, round, scale in bf16
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=gen))
+    assert_within_a_bf16_step(lib.rms_norm(x, norm.weight.data, 1e-5), norm(x))
+
+
+@pytest.mark.parametrize("rows, width", SIZES)
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_bf16_silu_mul_rounds_as_torch(lib, rows, width, scale):
+    gen = torch.Generator().manual_seed(rows * width)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * scale).bfloat16()
+    assert_within_a_bf16_step(lib.silu_mul(gate_up), silu_mul_ref(gate_up))
+
+
+@pytest.mark.parametrize("num_tokens, q_heads, k_heads, head_dim", [(1, 9, 3, 64), (7, 4, 4, 6), (33, 2, 1, 34)])
+def test_bf16_rotary_is_bit_equal_to_apply_rotary(lib, num_tokens, q_heads, k_heads, head_dim):
+    from worker_svc.layers.rotary import RotaryEmbedding, apply_rotary
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    cos, sin = rope(torch.randint(0, 512, (num_tokens,), generator=gen), torch.bfloat16)
+    qkv = (torch.randn(num_tokens, (q_heads + 2 * k_heads) * head_dim, generator=gen) * 4).bfloat16()
+    q, k, _ = qkv.split([q_heads * head_dim, k_heads * head_dim, k_heads * head_dim], dim=-1)
+    q, k = q.view(num_tokens, q_heads, head_dim), k.view(num_tokens, k_heads, head_dim)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    assert lib.rotary(q, k, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    # one dtype for all four, or nothing done
+    assert not lib.rotary(q, k, cos.float(), sin.float())
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa_tied", "llama_bias_llama3_rope"])
+def test_bf16_model_on_fused_kernels_keeps_its_logits(kind, tmp_path, lib, monkeypatch):
+    from tests.test_models import PagedRunner, hf_tiny, prompts
+    from worker_svc.weights import load_model
+
+    _, model_dir = hf_tiny(kind, tmp_path)
+    model, config = load_model(model_dir, torch.bfloat16, "cpu")
+    batch = [(i, p) for i, p in enumerate(prompts(seed=2))]
+    expected = torch.cat(PagedRunner(model, config, seed=3).step(batch)).float()
+    monkeypatch.setattr(lib, "bf16_simd", True)  # where they are portable loops, switch to them all the same
+    switched = use_fused_cpu_kernels(model, torch.bfloat16)
+    assert switched == 4 * config.num_layers + 1
+    got = torch.cat(PagedRunner(model, config, seed=3).step(batch)).float()
+    # the same roundings, a bf16 step apart here and there, carried through the layers
+    torch.testing.assert_close(got, expected, atol=2.0**-5 * expected.abs().max().item(), rtol=0)
+
+
+def test_kernels_are_used_only_for_the_dtype_they_are_vectorized_for(tmp_path, lib, monkeypatch):
+    from tests.test_models import hf_tiny
+    from worker_svc.weights import load_model
+
+    _, model_dir = hf_tiny("llama_gqa_tied", tmp_path)
+    model, _ = load_model(model_dir, torch.bfloat16, "cpu")
+    monkeypatch.setattr(lib, "bf16_simd", False)
+    assert use_fused_cpu_kernels(model, torch.bfloat16) == 0
+    assert use_fused_cpu_kernels(model, torch.float16) == 0
+    assert use_fused_cpu_kernels(model, torch.float32) == 0 or lib.simd  # no fp32 norms in a bf16 model
+    assert not any(m.cpu_kernels is not None for m in model.modules() if isinstance(m, RMSNorm))

@@ -158,9 +158,10 @@ class ModelRunner:
 
     def _prepare_cpu_model(self) -> None:
         """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (layers.cpu_bf16_linear);
-        otherwise linear weights packed for the C kernel or oneDNN (layers.cpu_linear). fp32
-        arithmetic also takes the fused norm, SiLU and rotary kernels (layers.cpu_fused). One log line
-        says what runs where."""
+        otherwise linear weights packed for the C kernel or oneDNN (layers.cpu_linear). Either
+        arithmetic also takes the fused norm, SiLU and rotary kernels where they are vectorized for
+        it (layers.cpu_fused: fp32 with AVX2, bf16 with AVX-512 BF16). One log line says what runs
+        where."""
         compute_dtype = self.dtype
         cpu = cpu_features.cpu_info()
         if self.dtype == torch.bfloat16 and not cpu.native_bf16:
@@ -168,7 +169,7 @@ class ModelRunner:
             linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(self.model)
         else:
             linears = pack_linears_for_cpu(self.model) or "plain torch matmuls"
-        fused = compute_dtype == torch.float32 and use_fused_cpu_kernels(self.model) > 0
+        fused = use_fused_cpu_kernels(self.model, compute_dtype) > 0
         log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s", linears,
                  "fused C" if fused else "torch operators", prepare_cpu_attention(compute_dtype, self.dtype))
 

@@ -33,7 +33,7 @@ class ActAndMul(nn.Module):
         self.act = get_activation(name)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels is not None and gate_up.dtype == torch.float32:
+        if self.cpu_kernels is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
             return self.cpu_kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act(gate) * up

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernels is not None and x.dtype == torch.float32:
+        if self.cpu_kernels is not None and x.dtype == self.weight.dtype:
             return self.cpu_kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()

@@ -12,6 +12,14 @@
  *   silu_mul: y = g / (1 + exp(-g)) * u, with exp from a degree-7 polynomial on [-ln2/2, ln2/2]
  *             scaled by 2^n (within 2 ulp of expf).
  *
+ * bfloat16 versions (for a model that computes in bf16, on CPUs with native bf16) take and give
+ * bf16, compute each element in fp32 and round to bf16 (nearest even) wherever torch's bf16
+ * operators round: after x * scale and after the weight's product in rms_norm, after silu and
+ * after the product in silu_mul, after each product and sum of the rotary embedding (so that one
+ * equals torch's to the bit, as the fp32 one does). Vectorized with AVX-512 BF16, whose
+ * conversion flushes fp32 values below 2^-126 to zero where torch keeps a subnormal bf16; a
+ * portable loop elsewhere.
+ *
  * Built at first use by worker_svc/layers/cpu_fused.py (through kvcache.cbuild) and called through
  * ctypes; the torch references there are what tests hold it to.
  */
@@ -22,6 +30,11 @@
 #define HAVE_AVX2 1
 #else
 #define HAVE_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512BF16 1
+#else
+#define HAVE_AVX512BF16 0
 #endif
 
 #define MIN_PARALLEL_ELEMENTS (1 << 16) /* below this, one thread: a barrier costs more than the work */
@@ -58,11 +71,14 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float eps, f
 
 #if HAVE_AVX2
 /* exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2/2, exp(r) by its Taylor polynomial to r^7 (Horner),
- * times 2^n built in the exponent bits. Inputs are clamped to where the result is finite and
- * normal: below -87.3 exp is ~0 (then silu(g) = g / (1 + huge) -> -0.0 as in torch), above 88.3
- * the scaling by 2^n would overflow. */
+ * times 2^n: a float 2^(n/2) times it, then n - n/2 added to the exponent bits (2^128 is not a
+ * float, and an integer add cannot be reassociated by -fassociative-math). Below -87.3 x is clamped
+ * (exp is ~0 there); above EXP_MAX, where expf overflows, the result is +inf, as expf's (so silu(g)
+ * = g / (1 + inf) = -0.0 there, as in torch). */
+#define EXP_MAX 88.72283935546875f /* the largest float whose expf is finite */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MAX), _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(EXP_MAX));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     /* r = x - n ln2, with ln2 in two parts so that n * ln2_hi is exact */
@@ -76,8 +92,11 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+    const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256i scaled = _mm256_add_epi32(_mm256_castps_si256(_mm256_mul_ps(p, lo)),
+                                            _mm256_slli_epi32(_mm256_sub_epi32(ni, half), 23));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(scaled), _mm256_set1_ps(INFINITY), over);
 }
 #endif
 
@@ -137,8 +156,148 @@ void rotary_f32(float *q, int64_t q_stride, int64_t q_heads, float *k, int64_t k
     rotate_rows(k, k_stride, k_heads, head_dim / 2, cos, sin, tokens);
 }
 
+/* ---- bfloat16 ---- */
+
+static inline float bf16_to_f32(uint16_t bits) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)bits << 16;
+    return v.f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 (a NaN stays a NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1)) >> 16);
+}
+
+/* f rounded to bf16 and widened back */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+#if HAVE_AVX512BF16
+static inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, to_bf16(v)); }
+
+/* exp8's computation on 16 floats, scaled by 2^n with vscalefps */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_MAX), _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(EXP_MAX));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_mask_blend_ps(over, _mm512_scalef_ps(p, n), _mm512_set1_ps(INFINITY));
+}
+#endif
+
+/* x [rows, n] bf16 (rows x_stride apart), w [n] bf16 -> y [rows, n] bf16 (contiguous):
+ * y = w * bf16(x * (1 / sqrt(mean(x^2) + eps))), the mean in fp32. */
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps, uint16_t *y, int64_t rows,
+                   int64_t n) {
+    #pragma omp parallel for schedule(static) if (rows * n >= MIN_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *yr = y + r * n;
+        int64_t j = 0;
+        float sum = 0.0f;
+#if HAVE_AVX512BF16
+        __m512 acc = _mm512_setzero_ps();
+        for (; j + 16 <= n; j += 16) {
+            const __m512 v = load16(xr + j);
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        sum = _mm512_reduce_add_ps(acc);
+#endif
+        for (; j < n; j++) sum += bf16_to_f32(xr[j]) * bf16_to_f32(xr[j]);
+        const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+        j = 0;
+#if HAVE_AVX512BF16
+        const __m512 s = _mm512_set1_ps(scale);
+        for (; j + 16 <= n; j += 16)
+            store16(yr + j, _mm512_mul_ps(load16(w + j), round16(_mm512_mul_ps(load16(xr + j), s))));
+#endif
+        for (; j < n; j++) yr[j] = f32_to_bf16(bf16_to_f32(w[j]) * round_bf16(bf16_to_f32(xr[j]) * scale));
+    }
+}
+
+/* gate_up [rows, 2n] bf16 (rows stride apart; gate then up) -> y [rows, n] bf16 (contiguous) =
+ * bf16(silu(gate)) * up. */
+void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *y, int64_t rows, int64_t n) {
+    #pragma omp parallel for schedule(static) if (rows * n >= MIN_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * stride, *u = g + n;
+        uint16_t *yr = y + r * n;
+        int64_t j = 0;
+#if HAVE_AVX512BF16
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; j + 16 <= n; j += 16) {
+            const __m512 gv = load16(g + j);
+            const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            store16(yr + j, _mm512_mul_ps(round16(silu), load16(u + j)));
+        }
+#endif
+        for (; j < n; j++) {
+            const float gv = bf16_to_f32(g[j]);
+            yr[j] = f32_to_bf16(round_bf16(gv / (1.0f + expf(-gv))) * bf16_to_f32(u[j]));
+        }
+    }
+}
+
+/* rotate_rows in bf16: each product and sum rounded to bf16, as torch's bf16 operators do. */
+static void rotate_rows_bf16(uint16_t *x, int64_t x_stride, int64_t heads, int64_t half, const uint16_t *cos,
+                             const uint16_t *sin, int64_t tokens) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *x1 = x + t * x_stride + h * 2 * half, *x2 = x1 + half;
+            int64_t j = 0;
+#if HAVE_AVX512BF16
+            for (; j + 16 <= half; j += 16) {
+                const __m512 a = load16(x1 + j), b = load16(x2 + j), cv = load16(c + j), sv = load16(s + j);
+                store16(x1 + j, _mm512_sub_ps(round16(_mm512_mul_ps(a, cv)), round16(_mm512_mul_ps(b, sv))));
+                store16(x2 + j, _mm512_add_ps(round16(_mm512_mul_ps(b, cv)), round16(_mm512_mul_ps(a, sv))));
+            }
+#endif
+            for (; j < half; j++) {
+                const float a = bf16_to_f32(x1[j]), b = bf16_to_f32(x2[j]);
+                const float cj = bf16_to_f32(c[j]), sj = bf16_to_f32(s[j]);
+                x1[j] = f32_to_bf16(round_bf16(a * cj) - round_bf16(b * sj));
+                x2[j] = f32_to_bf16(round_bf16(b * cj) + round_bf16(a * sj));
+            }
+        }
+    }
+}
+
+/* rotary_f32 in bf16: q, k, cos and sin bf16. */
+void rotary_bf16(uint16_t *q, int64_t q_stride, int64_t q_heads, uint16_t *k, int64_t k_stride, int64_t k_heads,
+                 int64_t head_dim, const uint16_t *cos, const uint16_t *sin, int64_t tokens) {
+    rotate_rows_bf16(q, q_stride, q_heads, head_dim / 2, cos, sin, tokens);
+    rotate_rows_bf16(k, k_stride, k_heads, head_dim / 2, cos, sin, tokens);
+}
+
 /* 1 when built with AVX2/FMA, 0 for the portable build. */
 int fused_simd(void) { return HAVE_AVX2; }
 
+/* 1 when the bf16 kernels are built with AVX-512 BF16, 0 for their portable loops. */
+int fused_bf16_simd(void) { return HAVE_AVX512BF16; }
+
 /* The ABI version worker_svc/layers/cpu_fused.py expects; bump it when a signature changes. */
-int pagewire_cpu_fused_abi(void) { return 2; }
+int pagewire_cpu_fused_abi(void) { return 3; }
