@@ -1,16 +1,18 @@
 """Offline throughput with the worker's CPU kernels in three configurations, alternated, each in a
 process of its own. Feeds docs/benchmarks.md, section "The CPU linears".
 
-    python benchmarks/cpu_kernels_offline.py [--rounds 2] [--num-prompts 32] [--max-tokens 64]
+    python benchmarks/cpu_kernels_offline.py [--rounds 2] [--num-prompts 32] [--max-tokens 64] [--dtype bfloat16]
 
   onednn   linears prepacked for oneDNN, norms, SiLU and rotary as torch operators
-  linears  linears on the C kernel (csrc/cpu_linear.c), the rest as torch operators
+  linears  linears on the C kernel (csrc/cpu_linear.c: fp32 panels, or for --dtype bfloat16 its
+           bf16 pairs, on AMX tiles or AVX-512 BF16 dot products), the rest as torch operators
   all      the worker's own choice on this CPU: on AVX2, the C linears and the fused C steps
 
-A configuration is chosen by replacing the worker's two decisions in the child process
-(``layers.cpu_linear.kernel_beats_onednn`` and the runner's ``use_fused_cpu_kernels``). Each child
-runs ``LLM.generate`` on --num-prompts 16-token prompts, greedy, EOS ignored, after a warm-up, and
-prints the best completion tok/s of --repeats runs.
+A configuration is chosen by replacing the worker's decisions in the child process
+(``layers.cpu_linear.kernel_beats_onednn`` and ``pair_instructions``, and the runner's
+``use_fused_cpu_kernels``). Each child runs ``LLM.generate`` in --dtype (float32 by default; a
+bfloat16 model computes in bf16 only on a CPU with native bf16) on --num-prompts 16-token prompts,
+greedy, EOS ignored, after a warm-up, and prints the best completion tok/s of --repeats runs.
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ import time
 CONFIGS = ("onednn", "linears", "all")
 
 
-def child(config: str, num_prompts: int, max_tokens: int, repeats: int) -> None:
+def child(config: str, num_prompts: int, max_tokens: int, repeats: int, dtype: str) -> None:
     from worker_svc import runner
     from worker_svc.layers import cpu_linear
 
     if config == "onednn":
         cpu_linear.kernel_beats_onednn = lambda cpu: False
+        cpu_linear.pair_instructions = lambda cpu, lib: None
+    elif config == "linears":
+        cpu_linear.kernel_beats_onednn = lambda cpu: True
     if config in ("onednn", "linears"):
-        runner.use_fused_cpu_kernels = lambda model: 0
+        runner.use_fused_cpu_kernels = lambda model, dtype=None: 0
     from pagewire import LLM, SamplingParams
 
     prompts = [[100 + 7 * i + j for j in range(16)] for i in range(num_prompts)]
-    with LLM(dtype="float32") as llm:
+    with LLM(dtype=dtype) as llm:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         best = 0.0
@@ -51,10 +56,11 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per child; the best counts")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype")
     ap.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.num_prompts, args.max_tokens, args.repeats)
+        child(args.child, args.num_prompts, args.max_tokens, args.repeats, args.dtype)
         return 0
     from pagewire_common.cpu_features import cpu_info
 
@@ -62,11 +68,12 @@ def main() -> int:
     for _ in range(args.rounds):
         for config in CONFIGS:
             out = subprocess.run([sys.executable, __file__, "--child", config, "--num-prompts", str(args.num_prompts),
-                                  "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)],
+                                  "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
+                                  "--dtype", args.dtype],
                                  capture_output=True, text=True, check=True)
             results[config].append(out.stdout.split()[-1])
             print(f"{config}: {results[config][-1]} tok/s", file=sys.stderr, flush=True)
-    print(f"ISA {cpu_info().isa}; completion tok/s, best of {args.repeats}, per round")
+    print(f"ISA {cpu_info().isa}, {args.dtype}; completion tok/s, best of {args.repeats}, per round")
     for config in CONFIGS:
         print(f"{config:8s} {', '.join(results[config])}")
     return 0
