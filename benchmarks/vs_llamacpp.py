@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="a built llama-server to use (default: build llama.cpp "
                    f"{LLAMA_CPP_PYTHON_VERSION!r} of llama-cpp-python once, cached)")
+    p.add_argument("--llama-args", type=shlex.split, default=[], metavar="ARGS",
+                   help="more options for llama-server, appended to its command line as one quoted string, e.g. "
+                   "--llama-args='--no-repack' (default: none)")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds to wait for a server to be ready (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every run and the environment as JSON")
@@ -161,7 +164,7 @@ def start_server(config: ServerConfig, args, ggufs: dict[str, Path], binary: Pat
         # a slot stops one token short of its context
         slot = args.prompt_len + max(args.max_new_tokens, WARMUP_TOKENS) + 1
         argv = server_command(binary, ggufs[config.dtype], host=HOST, port=port, threads=args.threads,
-                              parallel=args.concurrency, ctx_per_slot=slot)
+                              parallel=args.concurrency, ctx_per_slot=slot) + args.llama_args
         server: ServedServer = LlamaServerProcess(argv, f"{HOST}:{port}")
     else:
         grpc_addr = f"{HOST}:{free_port()}"
