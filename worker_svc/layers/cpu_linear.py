@@ -13,7 +13,7 @@ turn is about twice as fast as the default CPU matmul at these sizes.
 :func:`pack_linears_for_cpu` puts one or the other in place of every ``nn.Linear`` and of the
 output head: the kernel for fp32 weights on AVX2 CPUs and on AMD Zen 4 (whose AVX-512 is half
 width; 1.1-1.3x oneDNN at 32 rows), and for a bf16 model (:class:`PairLinear`, bf16 in and out,
-fp32 sums) on AMX tiles where the CPU has them (1.1-1.5x oneDNN's bf16 at 1-32 rows) and on
+fp32 sums) on AMX tiles where the CPU has them (1.28x oneDNN's bf16 at 32 rows) and on
 ``vdpbf16ps`` dot products on CPUs with AVX-512 BF16 and no AMX (1.25x oneDNN's bf16 at 32 rows
 on Zen 4); oneDNN (:class:`PackedLinear`) for fp32 on other AVX-512 CPUs, and where no C
 compiler is found.
@@ -279,7 +279,8 @@ def pair_instructions(cpu: cpu_features.CpuInfo, lib: LinearKernel) -> str | Non
     oneDNN's bf16 is faster (``benchmarks/cpu_linear.py``, a pass through SmolLM2's linears):
 
     * AMX tiles, on CPUs with AMX-BF16 where Linux grants the process the tiles (Intel Xeon,
-      Sapphire Rapids on): 1.1-1.5x oneDNN's bf16, itself on AMX, at 1-32 rows; even at 64;
+      Sapphire Rapids on): 1.26-1.28x oneDNN's bf16, itself on AMX, at 32 rows, 1.08x at 64 and
+      0.91x at 512 (a long prefill) on Emerald Rapids;
     * AVX-512 BF16 dot products on CPUs with them and no AMX (AMD Zen 4): 1.25x oneDNN's bf16 at
       32 rows, over 80% of the dot products' peak. On Intel CPUs with AMX a dot product has half
       the throughput of an fp32 FMA, and the tiles or oneDNN win.
