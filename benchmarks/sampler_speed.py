@@ -3,8 +3,9 @@ section "Sampling at temperature 1.0".
 
     python benchmarks/sampler_speed.py [--rows 32] [--vocab 49152] [--device cpu]
 
-Prints milliseconds per call for plain temperature sampling, top_k=50 + top_p=0.95, top_p=0.9
-alone, and per-row seeds.
+Prints milliseconds per call for greedy rows, plain temperature sampling, top_k=50 + top_p=0.95,
+top_p=0.9 alone, and per-row seeds; on CPU also greedy with torch's argmax in place of the fused C
+one the sampler takes there (``worker_svc.sampler.cpu_argmax``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> int:
     logits = logits.to(args.device)
     sampler = Sampler(args.device)
     cases = {
+        "greedy": [SamplingParams(temperature=0.0)] * args.rows,
         "temperature 1.0": [SamplingParams(temperature=1.0)] * args.rows,
         "top_k 50, top_p 0.95": [SamplingParams(temperature=0.8, top_k=50, top_p=0.95)] * args.rows,
         "top_p 0.9": [SamplingParams(temperature=0.8, top_p=0.9)] * args.rows,
@@ -46,6 +48,14 @@ def main() -> int:
         if args.device != "cpu":
             torch.cuda.synchronize()
         print(f"{name:>22}: {(time.perf_counter() - start) / args.iters * 1e3:8.2f} ms")
+    if sampler._cpu_argmax is not None:
+        sampler._cpu_argmax = None  # torch's argmax
+        batch = SamplingBatch(cases["greedy"], list(range(args.rows)), want_logprobs=False)
+        sampler(logits, batch)
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            sampler(logits, batch)
+        print(f"{'greedy, torch.argmax':>22}: {(time.perf_counter() - start) / args.iters * 1e3:8.2f} ms")
     return 0
 
 

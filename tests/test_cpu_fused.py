@@ -186,3 +186,46 @@ def test_kernels_are_used_only_for_the_dtype_they_are_vectorized_for(tmp_path, l
     assert use_fused_cpu_kernels(model, torch.float16) == 0
     assert use_fused_cpu_kernels(model, torch.float32) == 0 or lib.simd  # no fp32 norms in a bf16 model
     assert not any(m.cpu_kernels is not None for m in model.modules() if isinstance(m, RMSNorm))
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 31, 32, 33, 100, 49152])
+def test_argmax_is_torchs_first_maximum(lib, width):
+    gen = torch.Generator().manual_seed(width)
+    rows = torch.randn(6, width, generator=gen)
+    rows[1] = 0.25  # all equal: the first
+    rows[2, width // 2:] = rows[2].max() + 1  # a tie far from the start: its first
+    rows[3] = torch.round(rows[3])  # many ties among the largest
+    rows[4] = float("-inf")
+    rows[5, -1] = rows[5].max() + 1  # the last element, in the scalar tail
+    assert torch.equal(lib.argmax(rows), rows.argmax(dim=-1))
+    wide = torch.randn(6, width + 5, generator=gen)
+    assert torch.equal(lib.argmax(wide[:, 3:3 + width]), wide[:, 3:3 + width].argmax(dim=-1))  # strided rows
+
+
+@pytest.mark.parametrize("where", [0, 5, 40, 99])
+def test_argmax_takes_the_first_nan_as_torch_does(lib, where):
+    row = torch.randn(100, generator=torch.Generator().manual_seed(where))
+    row[where] = float("nan")
+    row[min(where + 7, 99)] = float("nan")
+    row[50] = float("inf")
+    assert lib.argmax(row.view(1, -1)).item() == row.argmax().item() == where
+
+
+def test_argmax_refuses_what_it_does_not_take(lib):
+    with pytest.raises(ValueError, match="float32 logits"):
+        lib.argmax(torch.randn(2, 8).bfloat16())
+    with pytest.raises(ValueError, match="V > 0"):
+        lib.argmax(torch.empty(2, 0))
+    assert lib.argmax(torch.empty(0, 8)).shape == (0,)
+
+
+def test_the_cpu_sampler_takes_the_c_argmax_where_it_is_vectorized(lib):
+    from pagewire_common.sampling import SamplingParams
+    from worker_svc.sampler import Sampler, SamplingBatch, cpu_argmax
+
+    sampler = Sampler("cpu")
+    assert (sampler._cpu_argmax is not None) == lib.simd == (cpu_argmax() is not None)
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(9))
+    logits[2, 10] = logits[2, 600] = logits[2].max() + 1
+    tokens, _ = sampler(logits, SamplingBatch([SamplingParams(temperature=0)] * 5, [0] * 5, want_logprobs=False))
+    assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[2] == 10

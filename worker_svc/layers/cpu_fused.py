@@ -26,7 +26,7 @@ from worker_svc.layers.activation import ActAndMul
 from worker_svc.layers.norms import RMSNorm
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_fused.c"
-_ABI = 3
+_ABI = 4
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -56,6 +56,9 @@ class FusedKernels:
             self._rotary[dtype] = rotary = getattr(lib, f"rotary_{suffix}")
             rotary.restype = None
             rotary.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, i64]
+        self._argmax = lib.argmax_f32
+        self._argmax.restype = None
+        self._argmax.argtypes = [p, i64, i64, i64, p]
         # vectorized: float32 with AVX2/FMA, bfloat16 with AVX-512 BF16 (else portable loops)
         self.simd = bool(lib.fused_simd())
         self.bf16_simd = bool(lib.fused_bf16_simd())
@@ -88,6 +91,16 @@ class FusedKernels:
         self._silu_mul[gate_up.dtype](rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], n)
         return out.view(*gate_up.shape[:-1], n)
 
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] float32 -> [N] int64: each row's ``torch.argmax`` (the first of equal maxima, or
+        the first NaN)."""
+        if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.shape[1]:
+            raise ValueError(f"argmax takes [N, V] float32 logits with V > 0, got {tuple(logits.shape)} {logits.dtype}")
+        rows = self._rows(logits)
+        out = torch.empty(rows.shape[0], dtype=torch.int64)
+        self._argmax(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], out.data_ptr())
+        return out
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate q [T, Hq, D] and k [T, Hk, D] in place by cos, sin [T, 1, D / 2] (from

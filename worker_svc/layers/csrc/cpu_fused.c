@@ -156,6 +156,87 @@ void rotary_f32(float *q, int64_t q_stride, int64_t q_heads, float *k, int64_t k
     rotate_rows(k, k_stride, k_heads, head_dim / 2, cos, sin, tokens);
 }
 
+/* ---- greedy sampling ---- */
+
+#if HAVE_AVX2
+/* Lane-wise, the larger of (a, ia) and (b, ib), the smaller index where equal. */
+static inline void argmax_merge(__m256 *a, __m256i *ia, __m256 b, __m256i ib) {
+    const __m256 take = _mm256_or_ps(_mm256_cmp_ps(b, *a, _CMP_GT_OQ),
+                                     _mm256_and_ps(_mm256_cmp_ps(b, *a, _CMP_EQ_OQ),
+                                                   _mm256_castsi256_ps(_mm256_cmpgt_epi32(*ia, ib))));
+    *a = _mm256_blendv_ps(*a, b, take);
+    *ia = _mm256_blendv_epi8(*ia, ib, _mm256_castps_si256(take));
+}
+#endif
+
+/* The index of the largest of x[0..n) (n >= 1), the first of equal ones, or of the first NaN: as
+ * torch.argmax, which treats NaN as the largest. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t best = 0, j = 0;
+    float m = x[0];
+#if HAVE_AVX2
+    if (n >= 32) {
+        /* four sets of 8 lanes, each the largest of its elements so far and its first index (four
+         * chains, so compare-and-blend latency is hidden); NaNs only noted */
+        __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8), m2 = _mm256_loadu_ps(x + 16);
+        __m256 m3 = _mm256_loadu_ps(x + 24);
+        __m256 nan = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(m0, m0, _CMP_UNORD_Q), _mm256_cmp_ps(m1, m1, _CMP_UNORD_Q)),
+                                  _mm256_or_ps(_mm256_cmp_ps(m2, m2, _CMP_UNORD_Q), _mm256_cmp_ps(m3, m3, _CMP_UNORD_Q)));
+        __m256i i0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8)), i2 = _mm256_add_epi32(i0, _mm256_set1_epi32(16));
+        __m256i i3 = _mm256_add_epi32(i0, _mm256_set1_epi32(24)), cur = i0;
+        const __m256i step = _mm256_set1_epi32(32);
+#define ARGMAX_SET(S)                                                                     \
+        {                                                                                 \
+            const __m256 v = _mm256_loadu_ps(x + j + 8 * S);                              \
+            const __m256 greater = _mm256_cmp_ps(v, m##S, _CMP_GT_OQ);                    \
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                   \
+            m##S = _mm256_blendv_ps(m##S, v, greater);                                    \
+            i##S = _mm256_blendv_epi8(i##S, _mm256_add_epi32(cur, _mm256_set1_epi32(8 * S)), \
+                                      _mm256_castps_si256(greater));                      \
+        }
+        for (j = 32; j + 32 <= n; j += 32) {
+            cur = _mm256_add_epi32(cur, step);
+            ARGMAX_SET(0) ARGMAX_SET(1) ARGMAX_SET(2) ARGMAX_SET(3)
+        }
+#undef ARGMAX_SET
+        if (_mm256_movemask_ps(nan)) {
+            j = 0; /* a NaN in the row: the scalar pass below finds the first one */
+        } else {
+            argmax_merge(&m0, &i0, m1, i1);
+            argmax_merge(&m2, &i2, m3, i3);
+            argmax_merge(&m0, &i0, m2, i2);
+            float vals[8];
+            int32_t idx[8];
+            _mm256_storeu_ps(vals, m0);
+            _mm256_storeu_si256((__m256i *)idx, i0);
+            m = vals[0];
+            best = idx[0];
+            for (int l = 1; l < 8; l++)
+                if (vals[l] > m || (vals[l] == m && idx[l] < best)) {
+                    m = vals[l];
+                    best = idx[l];
+                }
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        if (isnan(x[j])) return j;
+        if (x[j] > m) {
+            m = x[j];
+            best = j;
+        }
+    }
+    return best;
+}
+
+/* x [rows, n] float32 (rows stride apart, n >= 1) -> out [rows]: each row's argmax_row. torch's
+ * argmax keeps an index beside every comparison and runs ~14x slower than its plain max here. */
+void argmax_f32(const float *x, int64_t stride, int64_t rows, int64_t n, int64_t *out) {
+    #pragma omp parallel for schedule(static) if (rows * n >= MIN_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, n);
+}
+
 /* ---- bfloat16 ---- */
 
 static inline float bf16_to_f32(uint16_t bits) {
@@ -300,4 +381,4 @@ int fused_simd(void) { return HAVE_AVX2; }
 int fused_bf16_simd(void) { return HAVE_AVX512BF16; }
 
 /* The ABI version worker_svc/layers/cpu_fused.py expects; bump it when a signature changes. */
-int pagewire_cpu_fused_abi(void) { return 3; }
+int pagewire_cpu_fused_abi(void) { return 4; }
