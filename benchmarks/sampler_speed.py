@@ -4,8 +4,8 @@ section "Sampling at temperature 1.0".
     python benchmarks/sampler_speed.py [--rows 32] [--vocab 49152] [--device cpu]
 
 Prints milliseconds per call for greedy rows, plain temperature sampling, top_k=50 + top_p=0.95,
-top_p=0.9 alone, and per-row seeds; on CPU also greedy with torch's argmax in place of the fused C
-one the sampler takes there (``worker_svc.sampler.cpu_argmax``).
+top_p=0.9 alone, and per-row seeds; on CPU also greedy and temperature 1.0 with torch's operators
+in place of the fused C argmax and draw the sampler takes there (``worker_svc.sampler.cpu_kernels``).
 """
 
 from __future__ import annotations
@@ -48,14 +48,15 @@ def main() -> int:
         if args.device != "cpu":
             torch.cuda.synchronize()
         print(f"{name:>22}: {(time.perf_counter() - start) / args.iters * 1e3:8.2f} ms")
-    if sampler._cpu_argmax is not None:
-        sampler._cpu_argmax = None  # torch's argmax
-        batch = SamplingBatch(cases["greedy"], list(range(args.rows)), want_logprobs=False)
-        sampler(logits, batch)
-        start = time.perf_counter()
-        for _ in range(args.iters):
+    if sampler._cpu is not None:
+        sampler._cpu = None  # torch's operators
+        for name in ("greedy", "temperature 1.0"):
+            batch = SamplingBatch(cases[name], list(range(args.rows)), want_logprobs=False)
             sampler(logits, batch)
-        print(f"{'greedy, torch.argmax':>22}: {(time.perf_counter() - start) / args.iters * 1e3:8.2f} ms")
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                sampler(logits, batch)
+            print(f"{name + ', torch':>22}: {(time.perf_counter() - start) / args.iters * 1e3:8.2f} ms")
     return 0
 
 

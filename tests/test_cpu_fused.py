@@ -221,11 +221,64 @@ def test_argmax_refuses_what_it_does_not_take(lib):
 
 def test_the_cpu_sampler_takes_the_c_argmax_where_it_is_vectorized(lib):
     from pagewire_common.sampling import SamplingParams
-    from worker_svc.sampler import Sampler, SamplingBatch, cpu_argmax
+    from worker_svc.sampler import Sampler, SamplingBatch, cpu_kernels
 
     sampler = Sampler("cpu")
-    assert (sampler._cpu_argmax is not None) == lib.simd == (cpu_argmax() is not None)
+    assert (sampler._cpu is not None) == lib.simd == (cpu_kernels() is not None)
     logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(9))
     logits[2, 10] = logits[2, 600] = logits[2].max() + 1
     tokens, _ = sampler(logits, SamplingBatch([SamplingParams(temperature=0)] * 5, [0] * 5, want_logprobs=False))
     assert torch.equal(tokens, logits.argmax(dim=-1)) and tokens[2] == 10
+
+
+def assert_draws_invert_the_cdf(tokens: torch.Tensor, scaled: torch.Tensor, u: torch.Tensor) -> None:
+    """Each token's interval of the cumulative distribution (in fp64) holds u, up to fp32 rounding
+    of the sums, and has a nonzero probability."""
+    probs = torch.softmax(scaled.double(), dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    for row, token in enumerate(tokens.tolist()):
+        assert probs[row, token] > 0, (row, token)
+        low = cdf[row, token - 1].item() if token else 0.0
+        assert low - 1e-5 <= u[row].item() <= cdf[row, token].item() + 1e-5, (row, token, low, u[row].item())
+
+
+@pytest.mark.parametrize("width", [1, 5, 64, 100, 49152])
+def test_draw_inverts_each_rows_cdf(lib, width):
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(9, width, generator=gen) * 3
+    logits[1, ::3] = float("-inf")  # masked tokens: never drawn
+    logits[1, min(1, width - 1)] = 0.0
+    u = torch.rand(9, 1, generator=gen)
+    u[2], u[3] = 0.0, 1.0 - 2.0**-24  # the first token with a probability, the last one
+    temps = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 2.0, 1e-3, 0.7, 1.3])
+    for tokens, scaled in ((lib.draw(logits, u), logits), (lib.draw(logits, u, temps), logits / temps.unsqueeze(1))):
+        assert_draws_invert_the_cdf(tokens, scaled, u[:, 0])
+    assert lib.draw(logits[:, :width], u).shape == (9,)
+
+
+def test_draw_leaves_rows_with_a_nan_or_nothing_finite_to_the_caller(lib):
+    logits = torch.randn(3, 70)
+    logits[0, 40] = float("nan")
+    logits[1] = float("-inf")
+    assert lib.draw(logits, torch.full((3, 1), 0.5)).tolist()[:2] == [-1, -1]
+    with pytest.raises(ValueError, match="uniforms"):
+        lib.draw(logits, torch.rand(2, 1))
+
+
+def test_the_cpu_sampler_draws_with_the_c_kernel_and_torch_for_what_it_leaves(lib, monkeypatch):
+    from pagewire_common.sampling import SamplingParams
+    from worker_svc.sampler import Sampler, SamplingBatch
+
+    sampler = Sampler("cpu")
+    if sampler._cpu is None:
+        pytest.skip("the fused kernels are not vectorized here: the sampler keeps torch's operators")
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(4))
+    logits[3, 7] = float("nan")
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((1.0, 0.5, 2.0, 1.0))]
+    batch = SamplingBatch(params, [3] * 4, want_logprobs=False)
+    tokens, _ = sampler(logits, batch)
+    u = sampler._uniforms(batch, 4, torch.float32)  # seeded rows: the same uniforms again
+    temps = torch.tensor([p.temperature for p in params])
+    assert_draws_invert_the_cdf(tokens[:3], logits[:3] / temps[:3].unsqueeze(1), u[:3, 0])
+    monkeypatch.setattr(sampler, "_cpu", None)  # torch's operators, for the NaN row too
+    assert sampler(logits, batch)[0][3] == tokens[3]

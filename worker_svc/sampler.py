@@ -35,12 +35,14 @@ class SamplingBatch:
         return all(p.is_greedy for p in self.params)
 
 
-def cpu_argmax():
-    """The fused C argmax for float32 logits on CPU, or None where the kernels are not built with
-    AVX2 (torch's then): ``torch.argmax`` keeps an index beside every comparison, ~2 ms for 32 rows
-    of a 49k vocabulary on two cores, the C one ~0.2 ms (``benchmarks/sampler_speed.py``)."""
+def cpu_kernels() -> cpu_fused.FusedKernels | None:
+    """The fused C kernels whose argmax and draw the sampler takes for float32 logits on CPU, or
+    None where they are not built with AVX2 (torch's operators then). ``torch.argmax`` keeps an
+    index beside every comparison, ~2 ms for 32 rows of a 49k vocabulary on two cores, the C one
+    ~0.2 ms; softmax, cumsum and searchsorted make three passes and write two rows' worth, the C
+    draw reads the row twice (``benchmarks/sampler_speed.py``)."""
     lib = cpu_fused.kernel()
-    return lib.argmax if lib is not None and lib.simd else None
+    return lib if lib is not None and lib.simd else None
 
 
 class Sampler:
@@ -48,14 +50,33 @@ class Sampler:
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device)
         self._generator.seed()
-        self._cpu_argmax = cpu_argmax() if self.device.type == "cpu" else None
+        self._cpu = cpu_kernels() if self.device.type == "cpu" else None
+
+    def _on_cpu_kernels(self, logits: torch.Tensor) -> bool:
+        return self._cpu is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" \
+            and logits.dim() == 2 and logits.shape[-1] > 0
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [N, V] -> each row's argmax [N] int64, the first of equal maxima."""
-        if self._cpu_argmax is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" \
-                and logits.shape[-1]:
-            return self._cpu_argmax(logits)
+        if self._on_cpu_kernels(logits):
+            return self._cpu.argmax(logits)
         return logits.argmax(dim=-1)
+
+    def draw(self, logits: torch.Tensor, u: torch.Tensor, temps: torch.Tensor | None = None) -> torch.Tensor:
+        """A draw per row from softmax(logits / temps) (``temps`` [N] > 0, None for logits already
+        scaled) at u [N, 1]: the first token whose cumulative probability exceeds u times the total."""
+        if self._on_cpu_kernels(logits):
+            tokens = self._cpu.draw(logits, u, temps)
+            left = (tokens < 0).nonzero().flatten()  # a NaN, or nothing finite: torch's way
+            if left.numel():
+                tokens[left] = self._torch_draw(logits[left], u[left], None if temps is None else temps[left])
+            return tokens
+        return self._torch_draw(logits, u, temps)
+
+    @staticmethod
+    def _torch_draw(logits: torch.Tensor, u: torch.Tensor, temps: torch.Tensor | None) -> torch.Tensor:
+        scaled = logits if temps is None else logits / temps.unsqueeze(1)
+        return _invert_cdf(torch.softmax(scaled, dim=-1).cumsum_(dim=-1), u)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits [N, V] fp32 -> (token ids [N] int64, logprobs [N] fp32 or None)."""
@@ -77,19 +98,24 @@ class Sampler:
         temps = torch.tensor(
             [1.0 if p.is_greedy else p.temperature for p in params], dtype=logits.dtype
         ).to(self.device, non_blocking=True)
-        scaled = logits / temps.unsqueeze(1)
         min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0 and not p.is_greedy]
-        if min_p_rows:
-            _apply_min_p(scaled, min_p_rows, [params[i].min_p for i in min_p_rows])
-        u = self._uniforms(batch, num_rows, logits.dtype)
-
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_ps = [p.top_p for p in params]
         restricted = [i for i in range(num_rows) if top_ks[i] < vocab or top_ps[i] < 1.0]
+        # the C draw on CPU scales by the temperature itself: the scaled logits only where
+        # min_p, top-k or top-p need them
+        unscaled = not min_p_rows and not restricted and self._on_cpu_kernels(logits)
+        scaled = None
+        if not unscaled:
+            scaled = logits / temps.unsqueeze(1)
+            if min_p_rows:
+                _apply_min_p(scaled, min_p_rows, [params[i].min_p for i in min_p_rows])
+        u = self._uniforms(batch, num_rows, logits.dtype)
+
         if len(restricted) == num_rows:
             tokens = _sample_top_k_top_p(scaled, top_ks, top_ps, u)
         else:
-            tokens = _invert_cdf(torch.softmax(scaled, dim=-1).cumsum_(dim=-1), u)
+            tokens = self.draw(logits, u, temps) if unscaled else self.draw(scaled, u)
             if restricted:
                 rows = torch.tensor(restricted, device=self.device)
                 tokens[rows] = _sample_top_k_top_p(

@@ -26,7 +26,7 @@ from worker_svc.layers.activation import ActAndMul
 from worker_svc.layers.norms import RMSNorm
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_fused.c"
-_ABI = 4
+_ABI = 5
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -59,6 +59,9 @@ class FusedKernels:
         self._argmax = lib.argmax_f32
         self._argmax.restype = None
         self._argmax.argtypes = [p, i64, i64, i64, p]
+        self._sample = lib.sample_f32
+        self._sample.restype = None
+        self._sample.argtypes = [p, i64, i64, i64, p, p, p]
         # vectorized: float32 with AVX2/FMA, bfloat16 with AVX-512 BF16 (else portable loops)
         self.simd = bool(lib.fused_simd())
         self.bf16_simd = bool(lib.fused_bf16_simd())
@@ -100,6 +103,24 @@ class FusedKernels:
         rows = self._rows(logits)
         out = torch.empty(rows.shape[0], dtype=torch.int64)
         self._argmax(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], out.data_ptr())
+        return out
+
+    def draw(self, logits: torch.Tensor, u: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, V] float32 logits, [N] or [N, 1] uniforms in [0, 1) and temperatures (> 0; None for
+        logits already scaled) -> [N] int64: each row's draw from softmax(logits / temperature) at u,
+        the first token whose cumulative probability exceeds u times the total (masked -inf tokens
+        never); -1 for a row with a NaN or no finite logit, for the caller to draw."""
+        if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.shape[1]:
+            raise ValueError(f"draw takes [N, V] float32 logits with V > 0, got {tuple(logits.shape)} {logits.dtype}")
+        rows = self._rows(logits)
+        u = u.reshape(-1).to(torch.float32).contiguous()
+        inv_t = torch.ones_like(u) if temperatures is None else (1.0 / temperatures.reshape(-1).to(torch.float32))
+        if u.shape[0] != rows.shape[0] or inv_t.shape[0] != rows.shape[0]:
+            raise ValueError(f"{u.shape[0]} uniforms and {inv_t.shape[0]} temperatures for {rows.shape[0]} rows")
+        inv_t = inv_t.contiguous()
+        out = torch.empty(rows.shape[0], dtype=torch.int64)
+        self._sample(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], inv_t.data_ptr(), u.data_ptr(),
+                     out.data_ptr())
         return out
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

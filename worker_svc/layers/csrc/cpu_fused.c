@@ -25,6 +25,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
@@ -237,6 +238,111 @@ void argmax_f32(const float *x, int64_t stride, int64_t rows, int64_t n, int64_t
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, n);
 }
 
+#define SAMPLE_CHUNK 64 /* numerators summed per chunk: eight vectors of 8 */
+
+/* e[0..64) = exp((x[64c + l] - m) * inv_t) for the chunk c of a row of n: 0 past n and for -inf */
+static inline void sample_numerators(const float *x, int64_t n, int64_t c, float m, float inv_t, float *e) {
+    int64_t l = 0;
+#if HAVE_AVX2
+    const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(inv_t), neg_inf = _mm256_set1_ps(-INFINITY);
+    for (; l + 8 <= SAMPLE_CHUNK && SAMPLE_CHUNK * c + l + 8 <= n; l += 8) {
+        const __m256 v = _mm256_loadu_ps(x + SAMPLE_CHUNK * c + l);
+        const __m256 ex = exp8(_mm256_mul_ps(_mm256_sub_ps(v, mv), tv));
+        _mm256_storeu_ps(e + l, _mm256_andnot_ps(_mm256_cmp_ps(v, neg_inf, _CMP_EQ_OQ), ex));
+    }
+#endif
+    for (; l < SAMPLE_CHUNK; l++) {
+        const int64_t j = SAMPLE_CHUNK * c + l;
+        e[l] = j < n && x[j] > -INFINITY ? expf((x[j] - m) * inv_t) : 0.0f;
+    }
+}
+
+/* The largest of x[0..n), or NaN where there is one. */
+static float row_max(const float *x, int64_t n) {
+    int64_t j = 0;
+    float m = -INFINITY;
+#if HAVE_AVX2
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, nan = _mm256_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+        m0 = _mm256_max_ps(m0, a);
+        m1 = _mm256_max_ps(m1, b);
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+#endif
+    for (; j < n; j++) {
+        if (isnan(x[j])) return NAN;
+        m = x[j] > m ? x[j] : m;
+    }
+    return m;
+}
+
+/* A draw from softmax(x[0..n) * inv_t) at u in [0, 1) (inv_t > 0: one over the temperature): the
+ * first index whose cumulative probability exceeds u times the total, as the sampler's torch path
+ * (softmax, cumsum, searchsorted). The
+ * numerators exp(x - max) are added in chunks of 64 (`sums`, one per chunk): the total is the
+ * chunks' sums added in order, and the walk adds the same sums in the same order to find the
+ * chunk the draw falls in, then that chunk's numerators one by one (where rounding leaves the
+ * draw past them, it takes the chunk's last token of nonzero probability). -inf (a masked token)
+ * has probability 0. Returns -1 for a row with a NaN or no finite logit: the caller draws it. */
+static int64_t sample_row(const float *x, int64_t n, float u, float inv_t, float *sums) {
+    const float m = row_max(x, n);
+    if (!isfinite(m)) return -1;
+    const int64_t chunks = (n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK;
+    float e[SAMPLE_CHUNK], total = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        sample_numerators(x, n, c, m, inv_t, e);
+        float sum = 0.0f;
+#if HAVE_AVX2
+        __m256 acc = _mm256_loadu_ps(e);
+        for (int l = 8; l < SAMPLE_CHUNK; l += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(e + l));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc);
+        for (int l = 0; l < 8; l++) sum += lanes[l];
+#else
+        for (int l = 0; l < SAMPLE_CHUNK; l++) sum += e[l];
+#endif
+        sums[c] = sum;
+        total += sum;
+    }
+    float target = u * total;
+    if (!(target < total)) target = nextafterf(total, 0.0f);
+    float run = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        if (run + sums[c] > target) {
+            sample_numerators(x, n, c, m, inv_t, e);
+            int64_t last = -1;
+            for (int l = 0; l < SAMPLE_CHUNK && SAMPLE_CHUNK * c + l < n; l++) {
+                if (e[l] <= 0.0f) continue;
+                last = SAMPLE_CHUNK * c + l;
+                run += e[l];
+                if (run > target) return last;
+            }
+            if (last >= 0) return last;
+        }
+        run += sums[c];
+    }
+    return -1; /* not reached: the sums add up to the total, which exceeds the target */
+}
+
+/* x [rows, n] float32 (rows stride apart; logits), inv_t [rows] (one over each row's temperature),
+ * u [rows] in [0, 1) -> out [rows]: each row's sample_row (-1 for a row to draw elsewhere). */
+void sample_f32(const float *x, int64_t stride, int64_t rows, int64_t n, const float *inv_t, const float *u,
+                int64_t *out) {
+    #pragma omp parallel if (rows * n >= MIN_PARALLEL_ELEMENTS)
+    {
+        /* no memory for the chunk sums: the rows are left at -1, for the caller */
+        float *sums = malloc(sizeof(float) * (size_t)((n + SAMPLE_CHUNK - 1) / SAMPLE_CHUNK + 1));
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) out[r] = sums ? sample_row(x + r * stride, n, u[r], inv_t[r], sums) : -1;
+        free(sums);
+    }
+}
+
 /* ---- bfloat16 ---- */
 
 static inline float bf16_to_f32(uint16_t bits) {
@@ -381,4 +487,4 @@ int fused_simd(void) { return HAVE_AVX2; }
 int fused_bf16_simd(void) { return HAVE_AVX512BF16; }
 
 /* The ABI version worker_svc/layers/cpu_fused.py expects; bump it when a signature changes. */
-int pagewire_cpu_fused_abi(void) { return 4; }
+int pagewire_cpu_fused_abi(void) { return 5; }
