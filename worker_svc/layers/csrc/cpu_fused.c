@@ -77,22 +77,26 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float eps, f
  * (exp is ~0 there); above EXP_MAX, where expf overflows, the result is +inf, as expf's (so silu(g)
  * = g / (1 + inf) = -0.0 there, as in torch). */
 #define EXP_MAX 88.72283935546875f /* the largest float whose expf is finite */
+/* r = x - n ln2 (ln2 in two parts, so that n * ln2_hi is exact), p = exp(r) to r^7, with the
+ * intrinsics of prefix V (_mm256 or _mm512) */
+#define EXP_POLY(V, r, p, n, x)                                            \
+    r = V##_fnmadd_ps(n, V##_set1_ps(0.693359375f), x);                    \
+    r = V##_fnmadd_ps(n, V##_set1_ps(-2.12194440e-4f), r);                 \
+    p = V##_set1_ps(1.0f / 5040.0f);                                       \
+    p = V##_fmadd_ps(p, r, V##_set1_ps(1.0f / 720.0f));                    \
+    p = V##_fmadd_ps(p, r, V##_set1_ps(1.0f / 120.0f));                    \
+    p = V##_fmadd_ps(p, r, V##_set1_ps(1.0f / 24.0f));                     \
+    p = V##_fmadd_ps(p, r, V##_set1_ps(1.0f / 6.0f));                      \
+    p = V##_fmadd_ps(p, r, V##_set1_ps(0.5f));                             \
+    p = V##_fmadd_ps(p, r, V##_set1_ps(1.0f));                             \
+    p = V##_fmadd_ps(p, r, V##_set1_ps(1.0f))
 static inline __m256 exp8(__m256 x) {
     const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_MAX), _CMP_GT_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(EXP_MAX));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* r = x - n ln2, with ln2 in two parts so that n * ln2_hi is exact */
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 r, p;
+    EXP_POLY(_mm256, r, p, n, x);
     const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
     const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
     const __m256i scaled = _mm256_add_epi32(_mm256_castps_si256(_mm256_mul_ps(p, lo)),
@@ -381,16 +385,8 @@ static inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(EXP_MAX));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 r, p;
+    EXP_POLY(_mm512, r, p, n, x);
     return _mm512_mask_blend_ps(over, _mm512_scalef_ps(p, n), _mm512_set1_ps(INFINITY));
 }
 #endif
