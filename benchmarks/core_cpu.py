@@ -26,7 +26,7 @@ from pagewire_common.plan import StepResult
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2
-from scheduler_svc.core_service import CoreService
+from scheduler_svc.core.service import CoreService
 
 
 class InstantWorker:

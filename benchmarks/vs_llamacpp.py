@@ -251,7 +251,7 @@ def cpu_table(configs: list[ServerConfig], done: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from scheduler_svc.tokenizer import Tokenizer
+    from scheduler_svc.api.tokenizer import Tokenizer
     from worker_svc.weights import resolve_model_path
 
     try:

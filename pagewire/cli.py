@@ -117,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(Settings.from_args(args), args.listen)
         if args.command == "scheduler":
-            from scheduler_svc.main import run_scheduler
+            from scheduler_svc.core.main import run_scheduler
 
             return eventloop.run(run_scheduler(args.worker_address, args.listen, Settings.from_args(args),
                                                core_listen=args.core_listen, log_level=args.log_level))
         if args.command == "api-server":
-            from scheduler_svc.main import run_api_server
+            from scheduler_svc.api.main import run_api_server
 
             return eventloop.run(run_api_server(args.scheduler, args.listen, Settings.from_args(args),
                                                 reuse_port=args.reuse_port))

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
+from pagewire_common.requests import RequestOutput, Usage
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import SETTING_NAMES, Settings
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import EngineCore, RequestOutput, Usage, WorkerInfo, sample_request_id
-from scheduler_svc.output import OutputProcessor
-from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.api.text_stream import OutputProcessor
+from scheduler_svc.api.tokenizer import Tokenizer
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.engine import EngineCore, WorkerInfo, sample_request_id
 
 log = logging.getLogger("pagewire")
 

@@ -34,7 +34,7 @@ def _cli(log_level: str, *args: str) -> list[str]:
 
 
 def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
-    from scheduler_svc.auth import TlsFiles
+    from pagewire_common.tls import TlsFiles
 
     # one clear line, before anything starts
     listen = check_address_free(listen)

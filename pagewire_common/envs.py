@@ -54,6 +54,15 @@ def event_loop() -> str:
     return os.environ.get("PAGEWIRE_EVENT_LOOP", "auto").strip().lower() or "auto"
 
 
+# prometheus_client's multiprocess folder: the core sets it for its API servers, and
+# prometheus_client itself reads it when it is imported
+METRICS_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def metrics_multiprocess_dir() -> str | None:
+    return os.environ.get(METRICS_MULTIPROC_ENV) or None
+
+
 API_KEY_ENV = "PAGEWIRE_API_KEY"
 DTYPE_ENV = "PAGEWIRE_DTYPE"  # the default --dtype (tests pin float32 with it)
 PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"

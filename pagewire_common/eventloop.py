@@ -49,3 +49,30 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     log.debug("event loop: %s", name)
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+class Outbox:
+    """Messages for one consumer on the same loop: the producer appends without waiting, the
+    consumer takes everything that piled up at once."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take(self) -> list:
+        """Wait for at least one item; return all that are there, oldest first."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items

@@ -7,6 +7,7 @@ loop per element. Torch-free: the scheduler uses this module.
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 
@@ -32,6 +33,29 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
+
+
+def tokenizer_eos_token_id(files: dict[str, bytes]) -> int | None:
+    """The id of the tokenizer's EOS token (``tokenizer_config.json``'s ``eos_token`` looked up in
+    ``tokenizer.json``: added tokens first, then the model's vocabulary), or None. Plain JSON, so
+    the core learns it without a tokenizer (the API servers' ``Tokenizer`` agrees; tests check)."""
+    if "tokenizer.json" not in files or "tokenizer_config.json" not in files:
+        return None
+    eos = json.loads(files["tokenizer_config.json"]).get("eos_token")
+    if isinstance(eos, dict):  # an AddedToken serialised as a dict
+        eos = eos.get("content")
+    if not eos:
+        return None
+    tokenizer = json.loads(files["tokenizer.json"])
+    for token in tokenizer.get("added_tokens") or ():
+        if token.get("content") == eos:
+            return int(token["id"])
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        return vocab.get(eos)
+    if isinstance(vocab, list):  # Unigram: [token, score] pairs, the id is the position
+        return next((i for i, (token, _) in enumerate(vocab) if token == eos), None)
+    return None
 
 
 def _ints(data: bytes, dtype: np.dtype) -> list[int]:

@@ -62,8 +62,8 @@ def test_public_contract_names():
 def test_scheduler_never_imports_torch():
     code = (
         "import sys\n"
-        "import scheduler_svc.api_server, scheduler_svc.main, scheduler_svc.core_service, scheduler_svc.engine\n"
-        "import scheduler_svc.output, pagewire.serve, pagewire_common.settings, pagewire_common.supervisor\n"
+        "import scheduler_svc.api.server, scheduler_svc.api.main, scheduler_svc.core.main, scheduler_svc.core.service, scheduler_svc.core.engine\n"
+        "import scheduler_svc.api.text_stream, pagewire.serve, pagewire_common.settings, pagewire_common.supervisor\n"
         "import pagewire, pagewire.cli, pagewire.client, pagewire_common.wire\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
@@ -174,3 +174,94 @@ def test_readme_shows_only_flags_that_exist():
             wrong = sorted(set(re.findall(r"--[a-z][a-z0-9-]*", rest)) - options[command])
             assert not wrong, f"README.md: `pagewire {command}` has no {wrong} (in {line.strip()!r})"
     assert checked >= 8
+
+
+def _project_imports() -> dict[str, set[str]]:
+    """Each project module (dotted name) and the project modules it imports anywhere in its file
+    (top level, functions, TYPE_CHECKING blocks): ``from a.b import c`` counts as ``a.b.c`` when
+    that is a module, else ``a.b``."""
+    import ast
+
+    roots = ("pagewire", "pagewire_common", "kvcache", "scheduler_svc", "worker_svc")
+    modules: dict[str, object] = {}
+    for root in roots:
+        for path in (REPO / root).rglob("*.py"):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package = name.split(".") if is_package else name.split(".")[:-1]
+                    package = package[: len(package) - (node.level - 1)]
+                    base = ".".join(package + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def test_api_servers_and_core_are_apart():
+    """The API servers' package and the core's share only the floor: neither imports the other,
+    and the core (the tokenizer included) never sees text."""
+    graph = _project_imports()
+    for module, deps in graph.items():
+        if module.startswith("scheduler_svc.api"):
+            assert not [d for d in deps if d.startswith("scheduler_svc.core")], f"{module} imports the core: {deps}"
+        if module.startswith("scheduler_svc.core"):
+            assert not [d for d in deps if d.startswith("scheduler_svc.api")], f"{module} imports the API side: {deps}"
+
+
+def test_no_import_cycles():
+    """No two project modules import each other, directly or around a loop (lazy and
+    TYPE_CHECKING imports count: a cycle there is still two modules that know each other). A
+    package's ``__init__`` importing its own modules is not a cycle."""
+    graph = _project_imports()
+    for module, deps in graph.items():
+        graph[module] = {d for d in deps if not module.startswith(d + ".")}  # a module's own package
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"

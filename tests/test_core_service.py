@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-import pytest
-
 import grpc
 import numpy as np
+import pytest
 
 from pagewire_common import wire
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2
-from scheduler_svc.core_service import BACKPRESSURE_TIMEOUT_S, ApiClient, CoreService
-from scheduler_svc.worker_client import WorkerLinkError
+from scheduler_svc.core.service import BACKPRESSURE_TIMEOUT_S, ApiClient, CoreService
+from scheduler_svc.core.worker_client import WorkerLinkError
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
 
 BLOCK_SIZE = 4

@@ -19,7 +19,7 @@ from pagewire.cli import build_parser
 from pagewire_common.logs import FORMAT
 from pagewire_common.plan import NewSequence, StepPlan
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.worker_client import WorkerLink
+from scheduler_svc.core.worker_client import WorkerLink
 from tests.service_utils import REPO, Proc, free_port
 
 # a log line as pagewire_common.logs.FORMAT writes it

@@ -16,9 +16,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagewire import LLM, SamplingParams
 from pagewire.client import auth_metadata, open_channel
+from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import generation_pb2 as pb
 from pagewire_common.v1 import generation_pb2_grpc
-from scheduler_svc.auth import TlsFiles, check_authorization
+from scheduler_svc.api.auth import check_authorization
 from tests.service_utils import REPO, Proc, descendants, free_port, listening_sockets, sampling
 
 KEY = "s3cret-key"
@@ -67,7 +68,7 @@ def test_the_key_guards_every_generation_method_but_not_health_or_reflection():
     """An API server with a key and no core behind it, on three gRPC listeners: on six
     connections, which the kernel spreads over them, a call with the key gets past the door (and
     finds no core: UNAVAILABLE); one without is UNAUTHENTICATED."""
-    from scheduler_svc.api_server import ApiServer, build_server, stop_servers
+    from scheduler_svc.api.server import ApiServer, build_server, stop_servers
 
     async def main():
         api = ApiServer("unix:/nonexistent/core.sock")

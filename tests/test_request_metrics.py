@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.metrics import RequestMetrics
+from scheduler_svc.api.metrics import RequestMetrics
 
 
 def _itl(metrics: RequestMetrics) -> tuple[float, float]:

@@ -12,9 +12,9 @@ import pytest
 from kvcache.allocator import BlockAllocator
 from pagewire_common.plan import RunningSequence, StepPlan
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import EngineCore, WorkerInfo
-from scheduler_svc.running_step import FAST_DECODE_MIN_ROWS
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.engine import EngineCore, WorkerInfo
+from scheduler_svc.core.running_step import FAST_DECODE_MIN_ROWS
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, LaggingLink
 
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from pagewire_common.requests import FinishReason
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.engine import EngineCore, WorkerInfo
-from scheduler_svc.sequence import FinishReason
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.engine import EngineCore, WorkerInfo
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, LaggingLink, reference_tokens
 
 
@@ -458,8 +458,8 @@ def test_stream_interval_groups_deltas_without_changing_outputs(smollm2_dir, int
     out alone, then one delta per `interval` tokens, and the last delta at the end. Tokens, text,
     stop strings, stop tokens and finish reasons are what interval 1 gives, token for token and
     character for character; a stop string ends the request in the engine."""
-    from scheduler_svc.output import OutputProcessor
-    from scheduler_svc.tokenizer import Tokenizer
+    from scheduler_svc.api.text_stream import OutputProcessor
+    from scheduler_svc.api.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_dir)  # the fake worker's token ids (< 1000) are all in its vocabulary
     prompts = make_prompts(4, seed=21, lengths=[6, 9, 13, 30])

@@ -10,7 +10,7 @@ import pytest
 
 from pagewire.cli import build_parser
 from pagewire_common.settings import ALL_SCOPES, API, CORE, PROCESS, PUBLIC, WORKER, Settings, add_arguments, flag_of
-from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # the settings of each command's process(es)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from scheduler_svc.tokenizer import IncrementalDetokenizer, OffloadedTokenizer, Tokenizer, _bytes_to_unicode
+from scheduler_svc.api.tokenizer import IncrementalDetokenizer, OffloadedTokenizer, Tokenizer, _bytes_to_unicode
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +118,22 @@ def test_closing_the_tokenizer_helper_waits_for_it(tok):
     offloaded.close()
     assert [h.is_alive() for h in helpers] == [False] and not manager.is_alive()
     offloaded.close()  # a second close does nothing
+
+
+def test_the_core_finds_the_same_eos_id_without_a_tokenizer(tok):
+    """The core reads the EOS id from the tokenizer files as plain JSON; it must be the id the API
+    servers' tokenizer finds, and None when the config names no EOS token."""
+    import json
+
+    from pagewire_common.wire import tokenizer_eos_token_id
+
+    files = tok.files
+    assert tok.eos_token_id is not None
+    assert tokenizer_eos_token_id(files) == tok.eos_token_id
+    # an EOS that is an ordinary vocabulary entry, not an added token
+    vocab_token, vocab_id = next(iter(json.loads(files["tokenizer.json"])["model"]["vocab"].items()))
+    config = {**json.loads(files["tokenizer_config.json"]), "eos_token": vocab_token}
+    changed = {**files, "tokenizer_config.json": json.dumps(config).encode()}
+    assert tokenizer_eos_token_id(changed) == Tokenizer.from_files(changed).eos_token_id == vocab_id
+    config.pop("eos_token")
+    assert tokenizer_eos_token_id({**files, "tokenizer_config.json": json.dumps(config).encode()}) is None

@@ -16,9 +16,10 @@ import time
 import grpc
 import pytest
 
+from pagewire_common.framelink import CHANNEL_OPTIONS
 from pagewire_common.plan import NewSequence, RunningSequence, StepPlan
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.worker_client import CHANNEL_OPTIONS, WorkerLink, WorkerLinkError
+from scheduler_svc.core.worker_client import WorkerLink, WorkerLinkError
 from tests.service_utils import REPO, free_port
 
 KEEPALIVE = dict(CHANNEL_OPTIONS)

@@ -29,7 +29,7 @@ class Bench:
         self.baselines: list[str] = args.baselines
         self.defaults = _serve_defaults()
         self.model_dir: Path | None = None
-        self.tokenizer = None  # scheduler_svc.tokenizer.Tokenizer of the local model copy, if any
+        self.tokenizer = None  # scheduler_svc.api.tokenizer.Tokenizer of the local model copy, if any
         self.model_info = None
         self.run_prompts: list[list] = []  # per run index (warmups first): token-id lists or texts
         self.run_offsets: list[list[float] | None] = []
@@ -59,7 +59,7 @@ class Bench:
         args = self.args
         if not (args.serve or self.baselines or args.model is not None):
             return
-        from scheduler_svc.tokenizer import Tokenizer
+        from scheduler_svc.api.tokenizer import Tokenizer
 
         given = Path(args.model).expanduser() if args.model is not None else None
         if given is not None and (given / "config.json").is_file():

@@ -11,10 +11,9 @@ at once; the others only when a delta goes out.
 
 from __future__ import annotations
 
+from pagewire_common.requests import FinishReason, RequestOutput, Usage
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.engine import RequestOutput, Usage
-from scheduler_svc.sequence import FinishReason
-from scheduler_svc.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler_svc.api.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:

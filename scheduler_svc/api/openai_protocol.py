@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pagewire_common.requests import RequestOutput
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.engine import RequestOutput
 
 MAX_TOP_LOGPROBS = 20
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))

@@ -6,22 +6,17 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagewire_common.requests import FinishReason
 from pagewire_common.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from scheduler_svc.running_batch import RunningBatch
+    from scheduler_svc.core.running_batch import RunningBatch
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the model length
-    ABORT = "abort"  # cancelled by the client, or failed
 
 
 def _counter(own: str, array: str, doc: str) -> property:

@@ -14,10 +14,10 @@ import numpy as np
 
 from kvcache.allocator import BlockAllocator
 from pagewire_common.plan import StepPlan
-from scheduler_svc.running_batch import RunningBatch
+from scheduler_svc.core.running_batch import RunningBatch
 
 if TYPE_CHECKING:
-    from scheduler_svc.sequence import Sequence
+    from scheduler_svc.core.sequence import Sequence
 
 # below this many running sequences (or results), a step takes them one by one: the array
 # operations cost more per step than they save

@@ -17,10 +17,11 @@ import numpy as np
 
 from kvcache.allocator import AppendResult, BlockAllocator
 from pagewire_common.plan import NewSequence, StepPlan, StepResult
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.running_batch import RunningBatch, StepTokens
-from scheduler_svc.running_step import FAST_DECODE_MIN_ROWS, RunningStep
-from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+from pagewire_common.requests import FinishReason
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.running_batch import RunningBatch, StepTokens
+from scheduler_svc.core.running_step import FAST_DECODE_MIN_ROWS, RunningStep
+from scheduler_svc.core.sequence import Sequence, SequenceStatus
 
 _NO_GROWTH = AppendResult(block_table_start=0, block_ids=[], copies=[])
 _NO_ROWS = np.zeros(0, dtype=np.int64)

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 
+from pagewire_common.eventloop import Outbox
+from pagewire_common.requests import RequestOutput, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.core_output import Outbox
-from scheduler_svc.engine import RequestOutput, validate_prompt_tokens
 
 if TYPE_CHECKING:
-    from scheduler_svc.api_server import ApiServer
+    from scheduler_svc.api.server import ApiServer
 
 
 @dataclass(slots=True)

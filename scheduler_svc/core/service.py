@@ -23,16 +23,15 @@ import numpy as np
 from pagewire_common import wire
 from pagewire_common.addresses import peer_name
 from pagewire_common.framelink import FrameListener, LinkClosed
+from pagewire_common.requests import FinishReason
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.core_output import ApiClient, _Owner, deliver
-from scheduler_svc.engine import EngineCore, WorkerInfo
-from scheduler_svc.running_batch import StepTokens
-from scheduler_svc.sequence import FinishReason
-from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_client import WorkerLink, WorkerLinkError
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.delivery import ApiClient, _Owner, deliver
+from scheduler_svc.core.engine import EngineCore, WorkerInfo
+from scheduler_svc.core.running_batch import StepTokens
+from scheduler_svc.core.worker_client import WorkerLink, WorkerLinkError
 
 log = logging.getLogger("pagewire.scheduler")
 
@@ -292,7 +291,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             log.debug("worker not reachable: %s", e)
             return False
         files = dict(info.tokenizer_files)
-        eos_id = Tokenizer.from_files(files).eos_token_id if "tokenizer.json" in files else None
+        eos_id = wire.tokenizer_eos_token_id(files)
         worker_info = WorkerInfo.build(
             model_name=info.model_name, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks, eos_token_ids=info.eos_token_ids,

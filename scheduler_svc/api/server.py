@@ -23,25 +23,22 @@ from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import wire
 from pagewire_common.addresses import add_port
-from pagewire_common.framelink import LinkClosed, LinkSession
+from pagewire_common.eventloop import Outbox
+from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
+from pagewire_common.requests import FinishReason, RequestOutput
+from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import core_pb2, core_pb2_grpc, generation_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
-from scheduler_svc.api_request import (
+from scheduler_svc.api.auth import ApiKeyInterceptor
+from scheduler_svc.api.request import (
     ApiRequest,
     Failure,
     NotReadyError,
     RequestError,
     open_request,
 )
-from scheduler_svc.auth import ApiKeyInterceptor, TlsFiles
-from scheduler_svc.core_output import Outbox
-from scheduler_svc.engine import RequestOutput
-from scheduler_svc.output import TextStream
-from scheduler_svc.sequence import FinishReason
-from scheduler_svc.tokenizer import OffloadedTokenizer, Tokenizer
-from scheduler_svc.worker_client import (
-    CHANNEL_OPTIONS,  # the same internal-link options
-)
+from scheduler_svc.api.text_stream import TextStream
+from scheduler_svc.api.tokenizer import OffloadedTokenizer, Tokenizer
 
 log = logging.getLogger("pagewire.api")
 

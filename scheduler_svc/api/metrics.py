@@ -16,17 +16,15 @@ dashboards built for it carry over.
 
 from __future__ import annotations
 
-import os
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pagewire_common.envs import metrics_multiprocess_dir as multiprocess_dir
 from pagewire_common.v1 import generation_pb2 as pb
 
 PREFIX = "pagewire:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client itself when it is imported
 
 # bucket bounds as vLLM's, with finer low ones for fast accelerators
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -35,10 +33,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-def multiprocess_dir() -> str | None:
-    return os.environ.get(MULTIPROC_ENV) or None
 
 
 class RequestMetrics:

@@ -1,5 +1,4 @@
-"""Running the scheduler tier: ``pagewire scheduler`` (the core, which starts and supervises its
-API servers) and ``pagewire api-server`` (one API-server process).
+"""The scheduler core process: ``pagewire scheduler``, which starts and supervises its API servers.
 
 The core serves ``pagewire.v1.SchedulerCore`` on a private address (a unix socket in a temp
 folder unless ``--core-listen`` names one) and starts ``--api-servers N`` processes running
@@ -18,24 +17,19 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagewire_common.addresses import add_port, check_address_free, describe, http_url
+from pagewire_common.addresses import add_port, check_address_free, http_url
+from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
 from pagewire_common.settings import API, PUBLIC, Settings
 from pagewire_common.supervisor import Supervisor
+from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import core_pb2_grpc
-from scheduler_svc.api_server import SERVICE_NAME, ApiServer, build_server, stop_servers
-from scheduler_svc.auth import TlsFiles
-from scheduler_svc.core_service import CoreService
-from scheduler_svc.http_server import start_http
-from scheduler_svc.metrics import MULTIPROC_ENV, RequestMetrics
-from scheduler_svc.metrics import multiprocess_dir as metrics_multiprocess_dir
+from scheduler_svc.core.service import CoreService
 
 log = logging.getLogger("pagewire.scheduler")
-api_log = logging.getLogger("pagewire.api")
 CORE_SERVICE_NAME = "pagewire.v1.SchedulerCore"
 
 
@@ -62,7 +56,7 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
     if not metrics_multiprocess_dir():
         # the API servers write their request metrics here, so any of them reports all of them
         os.mkdir(f"{tmpdir}/metrics")
-        os.environ[MULTIPROC_ENV] = f"{tmpdir}/metrics"
+        os.environ[METRICS_MULTIPROC_ENV] = f"{tmpdir}/metrics"
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -141,68 +135,3 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
         await core.stop()
         shutil.rmtree(tmpdir, ignore_errors=True)
     return 1 if failed else 0
-
-
-async def run_api_server(core_address: str, listen: str, settings: Settings, *, reuse_port: bool = False,
-                         stop_event: asyncio.Event | None = None) -> int:
-    """One API-server process: serve until SIGINT/SIGTERM, then refuse new calls, let running
-    ones finish for up to ``--shutdown-timeout`` seconds, and stop."""
-    loop = asyncio.get_running_loop()
-    health_holder: list = []
-
-    def on_health(serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-
-        async def _set():
-            for name in ("", SERVICE_NAME):
-                await health_holder[0].set(name, status)
-
-        if health_holder and not api.draining:
-            loop.create_task(_set())
-
-    if not reuse_port:
-        check_address_free(listen)
-        if settings.http_listen != "off":
-            check_address_free(settings.http_listen)
-    tls = TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
-    api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics())
-    servers, port, servicer, health_servicer = await build_server(api, listen, reuse_port,
-                                                                  listeners=settings.grpc_listeners,
-                                                                  api_key=settings.api_key, tls=tls)
-    health_holder.append(health_servicer)
-    http_runner = None
-    if settings.http_listen != "off":
-        try:
-            http_runner, http_port = await start_http(api, settings.http_listen, reuse_port, api_key=settings.api_key,
-                                                      ssl_context=tls.ssl_context() if tls is not None else None)
-        except OSError:
-            await stop_servers(servers, grace=None)
-            raise
-        settings = settings.replace(http_listen=f"{settings.http_listen.rpartition(':')[0]}:{http_port}")
-    api.start()
-    stop = stop_event or asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    while not api.connected.is_set() and not stop.is_set():
-        await asyncio.sleep(0.05)
-    if not stop.is_set():
-        gc.collect()
-        gc.freeze()
-        api_log.info("api-server ready on %s%s (pid %d), scheduler core %s", describe(listen, port),
-                     http_url(settings.http_listen), os.getpid(), core_address)
-    await stop.wait()
-    api.draining = True
-    await health_servicer.enter_graceful_shutdown()
-    deadline = time.monotonic() + settings.shutdown_timeout
-    while api.pending and time.monotonic() < deadline and api.core_connected:
-        await asyncio.sleep(0.05)
-    if api.pending:
-        api_log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
-    if http_runner is not None:
-        await http_runner.cleanup()
-    await stop_servers(servers, grace=1.0)
-    await api.stop()
-    return 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.core.sequence import Sequence
 
 _INT_FIELDS = ("seq_id", "computed", "pending", "known", "slot_tokens", "hashed", "limit", "max_tokens",
                "num_prompt", "route_client", "route_rid")

@@ -7,26 +7,9 @@ from __future__ import annotations
 import grpc
 
 from pagewire_common import wire
-from pagewire_common.framelink import LinkClosed, LinkSession
+from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
-
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-# the options of both internal links (core -> worker, API server -> core)
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # a peer that stops answering (not just one that closes its socket) is noticed in seconds
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 3000),
-    # without it grpcio 1.85 never times out a ping the client sent: a frozen peer went unnoticed
-    ("grpc.http2.ping_timeout_ms", 3000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # reconnect quickly when a restarted peer comes back
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 class WorkerLinkError(RuntimeError):

@@ -5,50 +5,23 @@ server: the plain decodes with numpy over the running batch's arrays, the rest o
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from pagewire_common.eventloop import Outbox
 from pagewire_common.framelink import LinkClosed
+from pagewire_common.requests import FinishReason
 from pagewire_common.v1 import core_pb2
 from pagewire_common.v1 import generation_pb2 as pb
-from scheduler_svc.running_batch import StepTokens
-from scheduler_svc.sequence import FinishReason
+from scheduler_svc.core.running_batch import StepTokens
 
 FINISH_CODES = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 NAN = float("nan")
-
-
-class Outbox:
-    """Messages for one consumer on the same loop: the producer appends without waiting, the
-    consumer takes everything that piled up at once."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._waiter: asyncio.Future | None = None
-
-    def put_nowait(self, item) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def take(self) -> list:
-        """Wait for at least one item; return all that are there, oldest first."""
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        items, self._items = self._items, []
-        return items
 
 
 class ApiClient:

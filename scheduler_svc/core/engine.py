@@ -3,7 +3,7 @@
 It owns the batching policy (``Scheduler``) and the block allocator, and hands each step plan to
 the worker: in this process (``pagewire.LLM``, tests) or over gRPC (the scheduler core process).
 Text does not exist here: prompts arrive as token ids, and tokens go back to whoever turns them
-into text and finds stop strings (``scheduler_svc.output``), which calls ``finish`` when it finds
+into text and finds stop strings (``scheduler_svc.api.text_stream``), which calls ``finish`` when it finds
 one. It never imports torch.
 
 Both drivers use the same calls: ``add_request``/``abort``/``finish``, then ``next_plan`` /
@@ -21,11 +21,12 @@ from typing import Protocol
 
 from kvcache.allocator import BlockAllocator
 from pagewire_common.plan import StepPlan, StepResult
+from pagewire_common.requests import FinishReason, RequestOutput, Usage, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.running_batch import StepTokens
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.running_batch import StepTokens
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.sequence import Sequence
 
 
 class Executor(Protocol):
@@ -67,69 +68,6 @@ class WorkerInfo:
             eos += (tokenizer_eos_token_id,)
         return cls(model_name, int(vocab_size), int(max_model_len), int(block_size), int(num_kv_blocks), eos,
                    dtype, device, has_tokenizer)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A delta for one request: the tokens (and text, once detokenized) since its last output."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    logprobs: list[float] | None = None
-    usage: Usage | None = None
-    # on a request's first token delta from the engine: prompt tokens served from the prefix cache
-    num_cached_prompt_tokens: int | None = None
-    # aligned with token_ids when sampling.top_logprobs is set: (token ids, logprobs), best first
-    top_logprobs: list[tuple[list[int], list[float]]] | None = None
-    # which of the request's n samples this is
-    index: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vocab_size: int, max_model_len: int,
-                           strict_length: bool, max_num_seqs: int | None = None) -> None:
-    """Check a tokenized request against the engine's limits (``ValueError`` says what is
-    wrong). ``strict_length`` rejects prompt + max_tokens beyond the model length (the gRPC
-    contract); without it generation simply stops at the model length ("length"). The API
-    servers, the core and the offline API all call this one function."""
-    if not token_ids:
-        raise ValueError("prompt_token_ids is empty")
-    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # min/max: no Python loop per token
-        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
-        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
-    sampling.validate()
-    bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if max_num_seqs is not None and sampling.n > max_num_seqs:
-        raise ValueError(f"n ({sampling.n}) exceeds max_num_seqs ({max_num_seqs}): the samples run together")
-    if sampling.structured_output is not None:
-        from pagewire_common.grammar import check_grammar  # torch-free
-
-        check_grammar(*sampling.structured_output)
-    n = len(token_ids)
-    if n >= max_model_len:
-        raise ValueError(
-            f"prompt has {n} tokens; the maximum model length is {max_model_len} "
-            "(prompt plus at least one generated token)"
-        )
-    if strict_length and n + sampling.max_tokens > max_model_len:
-        raise ValueError(
-            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) = {n + sampling.max_tokens} "
-            f"exceeds the maximum model length {max_model_len}"
-        )
 
 
 class EngineCore:

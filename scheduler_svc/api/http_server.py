@@ -21,13 +21,20 @@ import uuid
 
 from aiohttp import web
 
-from scheduler_svc import metrics as metrics_mod
-from scheduler_svc.api_request import ApiRequest, RequestError, open_request
-from scheduler_svc.auth import check_authorization
-from scheduler_svc.engine import RequestOutput
-from scheduler_svc.openai_protocol import (
-    LogprobsBuilder, OpenAIError, ParsedRequest, bad, merge_logprobs, parse, parse_messages, usage_dict,
+from pagewire_common.requests import RequestOutput
+from scheduler_svc.api import metrics as metrics_mod
+from scheduler_svc.api.auth import check_authorization
+from scheduler_svc.api.openai_protocol import (
+    LogprobsBuilder,
+    OpenAIError,
+    ParsedRequest,
+    bad,
+    merge_logprobs,
+    parse,
+    parse_messages,
+    usage_dict,
 )
+from scheduler_svc.api.request import ApiRequest, RequestError, open_request
 
 log = logging.getLogger("pagewire.http")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,80 @@
+"""What a request is on both sides of the core's boundary: how it ends (``FinishReason``), the
+token delta it produces (``RequestOutput``, with ``Usage`` on the last), and the one check of a
+tokenized prompt against the engine's limits (``validate_prompt_tokens``), which the API servers,
+the core and the offline ``LLM`` all call. Torch-free, like the rest of the floor."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pagewire_common.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model length
+    ABORT = "abort"  # cancelled by the client, or failed
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta for one request: the tokens (and text, once detokenized) since its last output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None
+    usage: Usage | None = None
+    # on a request's first token delta from the engine: prompt tokens served from the prefix cache
+    num_cached_prompt_tokens: int | None = None
+    # aligned with token_ids when sampling.top_logprobs is set: (token ids, logprobs), best first
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # which of the request's n samples this is
+    index: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vocab_size: int, max_model_len: int,
+                           strict_length: bool, max_num_seqs: int | None = None) -> None:
+    """Check a tokenized request against the engine's limits (``ValueError`` says what is
+    wrong). ``strict_length`` rejects prompt + max_tokens beyond the model length (the gRPC
+    contract); without it generation simply stops at the model length ("length"). The API
+    servers, the core and the offline API all call this one function."""
+    if not token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # min/max: no Python loop per token
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    sampling.validate()
+    bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if max_num_seqs is not None and sampling.n > max_num_seqs:
+        raise ValueError(f"n ({sampling.n}) exceeds max_num_seqs ({max_num_seqs}): the samples run together")
+    if sampling.structured_output is not None:
+        from pagewire_common.grammar import check_grammar  # torch-free
+
+        check_grammar(*sampling.structured_output)
+    n = len(token_ids)
+    if n >= max_model_len:
+        raise ValueError(
+            f"prompt has {n} tokens; the maximum model length is {max_model_len} "
+            "(prompt plus at least one generated token)"
+        )
+    if strict_length and n + sampling.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) = {n + sampling.max_tokens} "
+            f"exceeds the maximum model length {max_model_len}"
+        )

@@ -1,0 +1,90 @@
+"""One API-server process: ``pagewire api-server``, which the core starts (``--api-servers N``, all
+on the public address with SO_REUSEPORT) and which talks to the core over one ``Connect`` session.
+SIGTERM: it refuses new calls, lets its running ones finish for up to ``--shutdown-timeout``
+seconds, and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import time
+
+from grpc_health.v1 import health_pb2
+
+from pagewire_common.addresses import check_address_free, describe, http_url
+from pagewire_common.settings import Settings
+from pagewire_common.tls import TlsFiles
+from scheduler_svc.api.http_server import start_http
+from scheduler_svc.api.metrics import RequestMetrics
+from scheduler_svc.api.server import SERVICE_NAME, ApiServer, build_server, stop_servers
+
+api_log = logging.getLogger("pagewire.api")
+
+
+async def run_api_server(core_address: str, listen: str, settings: Settings, *, reuse_port: bool = False,
+                         stop_event: asyncio.Event | None = None) -> int:
+    """One API-server process: serve until SIGINT/SIGTERM, then refuse new calls, let running
+    ones finish for up to ``--shutdown-timeout`` seconds, and stop."""
+    loop = asyncio.get_running_loop()
+    health_holder: list = []
+
+    def on_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def _set():
+            for name in ("", SERVICE_NAME):
+                await health_holder[0].set(name, status)
+
+        if health_holder and not api.draining:
+            loop.create_task(_set())
+
+    if not reuse_port:
+        check_address_free(listen)
+        if settings.http_listen != "off":
+            check_address_free(settings.http_listen)
+    tls = TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
+    api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics())
+    servers, port, servicer, health_servicer = await build_server(api, listen, reuse_port,
+                                                                  listeners=settings.grpc_listeners,
+                                                                  api_key=settings.api_key, tls=tls)
+    health_holder.append(health_servicer)
+    http_runner = None
+    if settings.http_listen != "off":
+        try:
+            http_runner, http_port = await start_http(api, settings.http_listen, reuse_port, api_key=settings.api_key,
+                                                      ssl_context=tls.ssl_context() if tls is not None else None)
+        except OSError:
+            await stop_servers(servers, grace=None)
+            raise
+        settings = settings.replace(http_listen=f"{settings.http_listen.rpartition(':')[0]}:{http_port}")
+    api.start()
+    stop = stop_event or asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    while not api.connected.is_set() and not stop.is_set():
+        await asyncio.sleep(0.05)
+    if not stop.is_set():
+        gc.collect()
+        gc.freeze()
+        api_log.info("api-server ready on %s%s (pid %d), scheduler core %s", describe(listen, port),
+                     http_url(settings.http_listen), os.getpid(), core_address)
+    await stop.wait()
+    api.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    deadline = time.monotonic() + settings.shutdown_timeout
+    while api.pending and time.monotonic() < deadline and api.core_connected:
+        await asyncio.sleep(0.05)
+    if api.pending:
+        api_log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
+    if http_runner is not None:
+        await http_runner.cleanup()
+    await stop_servers(servers, grace=1.0)
+    await api.stop()
+    return 0
