@@ -2,36 +2,21 @@
 
 The scheduler owns block *allocation* (kvcache.allocator); this module only holds the tensors and
 applies what a step plan says. A token's K/V lives at a *slot*: ``block_id * block_size + offset``.
+``AttentionMetadata`` (``kvcache.attention_metadata``) is re-exported here for the model code.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kvcache import cpu_kernels
+from kvcache.attention_metadata import AttentionMetadata
 from pagewire_common import envs
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Everything attention needs for one flattened step. T = total scheduled tokens, S = sequences."""
-
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset for every scheduled token's K/V
-    query_start_loc: torch.Tensor  # [S+1] int32 cumulative query lengths (cu_seqlens), on the model device
-    seq_lens: torch.Tensor  # [S] int32: context length of each sequence AFTER this step (cached + new)
-    block_tables: torch.Tensor  # [S, max_blocks] int32, rows padded with 0
-    max_query_len: int
-    max_seq_len: int
-    # host-side copies (python lists) so the CPU reference can plan without device syncs:
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
-    logits_indices: torch.Tensor  # [num_sampled] int64: indices into the T tokens whose hidden state gets logits
 
 
 class PagedKVCache:

@@ -26,14 +26,13 @@ On CPU tensors the same kernels run under Triton's interpreter (TRITON_INTERPRET
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from kvcache.paged import AttentionMetadata
+from kvcache.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 
