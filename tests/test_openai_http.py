@@ -231,12 +231,15 @@ def test_client_disconnect_frees_blocks(stack):
     assert aborted >= 1
 
 
-def _scrape(url: str) -> dict[tuple[str, tuple], float]:
+def _scrape(url: str, model: str) -> dict[tuple[str, tuple], float]:
+    """One scrape's values by (sample name, labels but the model's name), which must be ``model``
+    on every sample: no family has a series of another, or of an empty, ``model_name``."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     values = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            assert s.labels.get("model_name") == model, (s.name, s.labels)
             values[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = s.value
     return values
 
@@ -244,7 +247,7 @@ def _scrape(url: str) -> dict[tuple[str, tuple], float]:
 def test_metrics_count_known_requests_across_two_api_servers(stack):
     addr, url, model = stack
     time.sleep(0.3)  # let requests of earlier tests settle their counters
-    before = _scrape(url)
+    before = _scrape(url, model)
     c = client(url)
     sent_prompt = sent_completion = 0
     for i in range(6):  # new connections: the kernel spreads them over both API servers
@@ -261,13 +264,13 @@ def test_metrics_count_known_requests_across_two_api_servers(stack):
     del c
 
     def moved():
-        after = _scrape(url)
+        after = _scrape(url, model)
         return after if after[("pagewire:generation_tokens_total", ())] - before.get(("pagewire:generation_tokens_total", ()), 0) == sent_completion else None
 
     after = wait_until(moved, timeout=5)
     # scrapes on new connections reach either API server: each reports the same totals
     key = ("pagewire:generation_tokens_total", ())
-    assert {_scrape(url)[key] for _ in range(8)} == {after[key]}
+    assert {_scrape(url, model)[key] for _ in range(8)} == {after[key]}
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     assert delta[("pagewire:prompt_tokens_total", ())] == sent_prompt
     assert delta[("pagewire:request_success_total", (("finished_reason", "length"),))] == 7

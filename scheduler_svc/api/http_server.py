@@ -144,7 +144,7 @@ class OpenAIDoor:
         except Exception as e:  # the core is away: serve the request figures anyway
             log.debug("metrics without the core's figures: %s", e)
             stats = None
-        name = api.model.info.model_name if api.model is not None else ""
+        name = api.model.info.model_name if api.model is not None else None
         body = await asyncio.get_running_loop().run_in_executor(None, metrics_mod.exposition, api.metrics, stats, name)
         return web.Response(body=body, headers={"Content-Type": metrics_mod.CONTENT_TYPE})
 

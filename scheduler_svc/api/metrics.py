@@ -37,10 +37,15 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 
 class RequestMetrics:
     """The per-request families of one API-server process, in a registry of its own (in
-    multiprocess mode the values also go to this process's files in the shared folder)."""
+    multiprocess mode the values also go to this process's files in the shared folder).
 
-    def __init__(self, model_name: str = ""):
-        self.model_name = model_name
+    A family's series exist from ``set_model_name`` on: creating a labelled child publishes it at
+    zero (in multiprocess mode it is written to this process's files at once), so none is made
+    before the served model is known. No request is recorded before then: the API server opens
+    none until it has the model."""
+
+    def __init__(self, model_name: str | None = None):
+        self.model_name: str | None = None
         self.registry = registry = CollectorRegistry()
         kw = dict(labelnames=("model_name",), registry=registry)
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from a request's arrival at the "
@@ -57,21 +62,20 @@ class RequestMetrics:
         labels = ("model_name", "finished_reason")
         self._success = Counter(PREFIX + "request_success", "Requests finished, by reason (stop, length, abort).",
                                 labelnames=labels, registry=registry)
-        self._bind()
+        if model_name is not None:
+            self.set_model_name(model_name)
 
-    def _bind(self) -> None:
-        name = self.model_name
+    def set_model_name(self, name: str) -> None:
+        """Record under ``name`` from now on (the series of an earlier name keep their values)."""
+        if name == self.model_name:
+            return
+        self.model_name = name
         self.ttft = self._ttft.labels(name)
         self.itl = self._itl.labels(name)
         self.e2e = self._e2e.labels(name)
         self.queue = self._queue.labels(name)
         self.prompt = self._prompt.labels(name)
         self.generation = self._generation.labels(name)
-
-    def set_model_name(self, name: str) -> None:
-        if name != self.model_name:
-            self.model_name = name
-            self._bind()
 
     # ---- called by ApiRequest ------------------------------------------------------------------
 
@@ -131,9 +135,10 @@ class CoreFigures:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.num_prefix_cache_hit_tokens)
 
 
-def exposition(metrics: RequestMetrics, stats: pb.Stats | None, model_name: str) -> bytes:
+def exposition(metrics: RequestMetrics, stats: pb.Stats | None, model_name: str | None) -> bytes:
     """The text for one scrape: the request figures of every API server sharing the multiprocess
-    folder (else this one's) and, when the core answered, the core's."""
+    folder (else this one's) and, when the core answered and the served model is known, the core's
+    (under that model's name: there is no series without one)."""
     scrape = CollectorRegistry()
     if multiprocess_dir():
         from prometheus_client import multiprocess
@@ -141,7 +146,7 @@ def exposition(metrics: RequestMetrics, stats: pb.Stats | None, model_name: str)
         multiprocess.MultiProcessCollector(scrape)
     else:
         scrape.register(_Forward(metrics.registry))
-    if stats is not None:
+    if stats is not None and model_name is not None:
         scrape.register(CoreFigures(stats, model_name))
     return generate_latest(scrape)
 
