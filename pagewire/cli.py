@@ -6,20 +6,13 @@ import argparse
 import sys
 
 from pagewire import __version__
+from pagewire.cli_args import DEFAULT_LISTEN, positive_int
 from pagewire_common import envs, eventloop
 from pagewire_common.logs import LEVELS, setup_logging
 from pagewire_common.settings import API, CORE, PROCESS, PUBLIC, WORKER, Settings, add_arguments
 from pagewire_common.supervisor import die_with_parent
 
-DEFAULT_LISTEN = "127.0.0.1:50051"
 PUBLIC_TITLE = "public address: API key and TLS"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--addr", default=DEFAULT_LISTEN, help="server address (default: %(default)s)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=_positive_int, default=64, help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="most tokens to generate (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the smallest set of tokens whose probability adds up to this, in (0, 1] (default: off)")
     p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (default: 0, off)")

@@ -18,15 +18,12 @@ import sys
 
 from pagewire.bench.sampling_mix import help_text as mix_help, parse_mixes
 from pagewire.bench.server import BenchError, passthrough_flags
-from pagewire.cli import _positive_int
+from pagewire.cli_args import DEFAULT_LISTEN, non_negative_float, non_negative_int, positive_float, positive_int
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, add_arguments
 
 BASELINE_NAMES = ("hf", "hf-cb")
-DEFAULT_ADDR = "127.0.0.1:50051"
 DEFAULT_CONCURRENCY = 64
 DEFAULT_PROMPT_LEN = "128"
-# warn when the busiest client process used more than this share of a core
-CLIENT_BUSY_WARNING = 0.8
 
 EXAMPLES = """\
 examples:
@@ -96,27 +93,6 @@ def _backends(text: str) -> list[str]:
     return names
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``pagewire``'s subparsers."""
     p = subparsers.add_parser(
@@ -131,7 +107,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("server")
     g.add_argument("--addr", default=None,
-                   help=f"the server to measure (default: {DEFAULT_ADDR}); with --serve, where the started server "
+                   help=f"the server to measure (default: {DEFAULT_LISTEN}); with --serve, where the started server "
                    "listens (default then: a free port on 127.0.0.1)")
     g.add_argument("--serve", action="store_true",
                    help="start `pagewire serve` as a child process with the engine options below, wait for "
@@ -140,9 +116,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="the door to measure: grpc (pagewire.v1.Generation), openai (streamed POST /v1/completions "
                    "on the server's --http-listen address), or both, e.g. grpc,openai: each run is then sent "
                    "through each door in turn and the table shows them side by side (default: grpc)")
-    g.add_argument("--connect-timeout", type=_positive_float, default=10.0,
+    g.add_argument("--connect-timeout", type=positive_float, default=10.0,
                    help="seconds to wait for the server at --addr to answer (default: %(default)s)")
-    g.add_argument("--serve-timeout", type=_positive_float, default=600.0,
+    g.add_argument("--serve-timeout", type=positive_float, default=600.0,
                    help="seconds to wait for a --serve server to be ready (the first start of the embedded model "
                    "converts it once) (default: %(default)s)")
     g.add_argument("--server-log", default=None, metavar="PATH",
@@ -162,11 +138,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                   unset_defaults=True, skip=("model", "served_model_name", "shutdown_timeout"))
 
     g = p.add_argument_group("workload")
-    g.add_argument("--num-requests", type=_positive_int, default=256, help="requests per run (default: %(default)s)")
-    g.add_argument("--concurrency", type=_positive_int, default=None,
+    g.add_argument("--num-requests", type=positive_int, default=256, help="requests per run (default: %(default)s)")
+    g.add_argument("--concurrency", type=positive_int, default=None,
                    help=f"closed loop: keep this many requests in flight (default: {DEFAULT_CONCURRENCY} unless "
                    "--request-rate is given)")
-    g.add_argument("--request-rate", type=_positive_float, default=None,
+    g.add_argument("--request-rate", type=positive_float, default=None,
                    help="open loop: send requests as Poisson arrivals at this many per second (from --seed), "
                    "whatever is in flight; exclusive with --concurrency")
     g.add_argument("--seed", type=int, default=0,
@@ -180,27 +156,27 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--prompt-repeats", type=_repeats, default=None, metavar="K1,K2,...",
                    help="with --prompt: request i sends the text repeated K times, K cycling over the list "
                    "(default: 1)")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate per request "
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate per request "
                    "(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="generate exactly --max-new-tokens tokens (keep going past EOS), so every engine produces "
                    "the same number of tokens")
-    g.add_argument("--temperature", type=_non_negative_float, default=0.0,
+    g.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 is greedy; > 0 samples with top-k/top-p off (default: %(default)s)")
     g.add_argument("--sampling-mix", type=parse_mixes, default=["greedy"], metavar="MIX[,MIX]", help=mix_help())
-    g.add_argument("--warmup-runs", type=_non_negative_int, default=1,
+    g.add_argument("--warmup-runs", type=non_negative_int, default=1,
                    help="runs of the same shape before measuring, not reported (default: %(default)s)")
-    g.add_argument("--repeat-runs", type=_positive_int, default=1,
+    g.add_argument("--repeat-runs", type=positive_int, default=1,
                    help="measured runs; the summary pools them (default: %(default)s)")
-    g.add_argument("--client-processes", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--client-processes", type=positive_int, default=None, metavar="N",
                    help="load-generator processes sharing the streams (each one asyncio loop and one gRPC channel); "
                    "one Python process handles some tens of thousands of streamed messages/s, so raise this when "
                    "the summary says the client was busy (default: 1, or concurrency/64 up to cpus/4 and 4)")
-    g.add_argument("--connections", type=_positive_int, default=8, metavar="N",
+    g.add_argument("--connections", type=positive_int, default=8, metavar="N",
                    help="TCP connections the client spreads its streams over (split between client processes); "
                    "the kernel hands each connection to one of the server's API servers, so fewer connections "
                    "than API servers leaves some idle (default: %(default)s)")
-    g.add_argument("--request-timeout", type=_positive_float, default=None,
+    g.add_argument("--request-timeout", type=positive_float, default=None,
                    help="deadline of each request in seconds; one that passes it counts as failed (default: none)")
 
     g = p.add_argument_group("baselines (Hugging Face transformers, in this process, same model and prompts)")
@@ -208,7 +184,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="hf: model.generate on static batches (left padding; only throughput and per-batch "
                    "latency are observable); hf-cb: transformers' continuous batching (per-token times). "
                    "Repeatable or comma-separated")
-    g.add_argument("--baseline-batch-size", type=_positive_int, default=None,
+    g.add_argument("--baseline-batch-size", type=positive_int, default=None,
                    help="prompts per static batch for hf (default: --concurrency, or 32 with --request-rate)")
 
     g = p.add_argument_group("output")
@@ -290,7 +266,7 @@ def validate_args(args) -> None:
                        if dest not in also_baselines and getattr(args, dest) is not None]
         if server_only:
             print(f"pagewire bench: note: {', '.join(server_only)} only configure a server started with --serve; "
-                  f"the server at {args.addr or DEFAULT_ADDR} keeps its own settings", file=sys.stderr)
+                  f"the server at {args.addr or DEFAULT_LISTEN} keeps its own settings", file=sys.stderr)
 
 
 def bench_command(args) -> int:

@@ -18,9 +18,11 @@ from pagewire.bench.server import (
     check_can_listen,
     serve_argv,
 )
-
-from pagewire.bench.cli import CLIENT_BUSY_WARNING, DEFAULT_ADDR
 from pagewire.bench.report import OURS, cpu_info
+from pagewire.cli_args import DEFAULT_LISTEN
+
+# warn when the busiest client process used more than this share of a core
+CLIENT_BUSY_WARNING = 0.8
 
 
 class Bench:
@@ -341,7 +343,7 @@ class Bench:
                 args.http_listen = f"127.0.0.1:{free_port()}"
             server = ServedServer(serve_argv(args, addr), addr, args.server_log)
         else:
-            addr = args.addr or DEFAULT_ADDR
+            addr = args.addr or DEFAULT_LISTEN
         self.resolve_local_model()
         if server is not None:
             print(f"pagewire bench: starting `pagewire serve` on {addr}...", file=sys.stderr, flush=True)

@@ -1,0 +1,36 @@
+"""What the ``pagewire`` parser and its ``bench`` subcommand's both use: the default address and
+the numeric argument types. Below both CLIs, so that neither imports the other for them."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_LISTEN = "127.0.0.1:50051"  # where a server listens, and where a client looks, by default
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
