@@ -32,6 +32,11 @@ def real_runner(model_dir):
     return ModelRunner(model_dir, RunnerConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, device="cpu"))
 
 
+def cycle_token(runner: NullRunner, position: int) -> int:
+    """The token the null runner emits at ``position`` (0-based index in the sequence)."""
+    return runner.token_cycle[position % len(runner.token_cycle)]
+
+
 def new_seq(seq_id, token_ids, block_ids, num_scheduled, num_computed=0) -> NewSequence:
     return NewSequence(seq_id, list(token_ids), list(block_ids), num_computed, num_scheduled, GREEDY)
 
@@ -68,8 +73,12 @@ def test_token_cycle_is_ordinary_and_positional(runner):
     special = {tid for tid, t in tok.get_added_tokens_decoder().items() if t.special}
     assert len(runner.token_cycle) > 1
     assert not set(runner.token_cycle) & (special | set(runner.model_config.eos_token_ids))
-    assert [runner.next_token(p) for p in range(3)] == runner.token_cycle[:3]
-    assert runner.next_token(len(runner.token_cycle)) == runner.token_cycle[0]
+    # the token at position p is cycle[p % len(cycle)], whatever the sequence's tokens
+    cycle = runner.token_cycle
+    prompts = {1: [3], 2: [9, 9], 3: [4] * len(cycle)}
+    blocks = {1: [0], 2: [1], 3: list(range(2, 2 + -(-len(cycle) // BLOCK_SIZE)))}
+    r = runner.execute(StepPlan(1, new_seqs=[new_seq(i, prompts[i], blocks[i], len(prompts[i])) for i in prompts]))
+    assert (r.seq_ids, r.token_ids) == ([1, 2, 3], [cycle[1], cycle[2], cycle[0]])
 
 
 def test_follows_chunked_prefill_decode_rollover_and_finish(runner):
@@ -79,29 +88,29 @@ def test_follows_chunked_prefill_decode_rollover_and_finish(runner):
     assert (r.seq_ids, r.token_ids) == ([], [])
     # chunk 2 reaches the end of the prompt: one token, for position 6
     r = runner.execute(StepPlan(2, running_seqs=[RunningSequence(1, 2)]))
-    assert (r.seq_ids, r.token_ids) == ([1], [runner.next_token(6)])
+    assert (r.seq_ids, r.token_ids) == ([1], [cycle_token(runner, 6)])
     # decodes compute positions 6 and 7 (the last slot of block 1) and sample positions 7 and 8
     r = runner.execute(StepPlan(3, running_seqs=[RunningSequence(1, 1)]))
-    assert r.token_ids == [runner.next_token(7)]
+    assert r.token_ids == [cycle_token(runner, 7)]
     r = runner.execute(StepPlan(4, running_seqs=[RunningSequence(1, 1)]))
-    assert r.token_ids == [runner.next_token(8)]
+    assert r.token_ids == [cycle_token(runner, 8)]
     # computing position 8 needs a third block: without it the plan is rejected...
     with pytest.raises(ValueError, match="too few blocks"):
         runner.execute(StepPlan(5, running_seqs=[RunningSequence(1, 1)]))
     runner.reset()
     assert runner.num_seqs == 0
     # ...with it (appended at index 2) the sequence goes on; a second sequence joins the step
-    runner.execute(StepPlan(1, new_seqs=[new_seq(1, prompt + [runner.next_token(6), runner.next_token(7)], [0, 1], 8)]))
+    runner.execute(StepPlan(1, new_seqs=[new_seq(1, prompt + [cycle_token(runner, 6), cycle_token(runner, 7)], [0, 1], 8)]))
     r = runner.execute(StepPlan(
         2,
         new_seqs=[new_seq(2, [11, 12, 13], [3], 3)],
         running_seqs=[RunningSequence(1, 1, block_table_start=2, block_ids=[2])],
     ))
-    assert (r.seq_ids, r.token_ids) == ([2, 1], [runner.next_token(3), runner.next_token(9)])
+    assert (r.seq_ids, r.token_ids) == ([2, 1], [cycle_token(runner, 3), cycle_token(runner, 9)])
     # copy-on-write replaces the last block; finished sequences are dropped first
     r = runner.execute(StepPlan(3, running_seqs=[RunningSequence(2, 1, block_table_start=0, block_ids=[4])],
                                 finished_seq_ids=[1], block_copies=[(3, 4)]))
-    assert (r.seq_ids, r.token_ids) == ([2], [runner.next_token(4)])
+    assert (r.seq_ids, r.token_ids) == ([2], [cycle_token(runner, 4)])
     assert runner.num_seqs == 1 and runner.num_block_copies == 1
     assert runner.execute(StepPlan(4, finished_seq_ids=[2])).token_ids == []
     assert runner.num_seqs == 0
@@ -109,7 +118,7 @@ def test_follows_chunked_prefill_decode_rollover_and_finish(runner):
 
 def test_prefix_cache_hit_starts_from_computed_tokens(runner):
     r = runner.execute(StepPlan(1, new_seqs=[new_seq(7, [1, 2, 3, 4, 5], [9, 10], num_scheduled=1, num_computed=4)]))
-    assert (r.seq_ids, r.token_ids) == ([7], [runner.next_token(5)])
+    assert (r.seq_ids, r.token_ids) == ([7], [cycle_token(runner, 5)])
 
 
 BAD_PLANS = {
@@ -278,7 +287,7 @@ def test_constrained_sequences_follow_their_grammar(runner, model_dir):
         text = tok.decode(out[i][:end])
         assert json.loads(text) in ({"ok": True}, {"ok": False}) if i == 0 else re.fullmatch(params[1].regex, text)
     # every cycle token is a lowercase word or a space: the grammar lets the cycle through, never EOS
-    assert out[2] == [runner.next_token(p) for p in range(3, 3 + 26)]
+    assert out[2] == [cycle_token(runner, p) for p in range(3, 3 + 26)]
     assert re.fullmatch("[a-z ]+", tok.decode(out[2]))
     runner.execute(StepPlan(26, finished_seq_ids=[0, 1, 2]))
     assert runner.grammars.num_active == 0

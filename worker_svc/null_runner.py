@@ -94,10 +94,6 @@ class NullRunner:
         if self.grammars is not None:
             self.grammars.reset()
 
-    def next_token(self, position: int) -> int:
-        """The token this runner samples at ``position`` (0-based index in the sequence)."""
-        return self.token_cycle[position % len(self.token_cycle)]
-
     def execute(self, plan: StepPlan) -> StepResult:
         """Apply ``plan`` to the per-sequence state and "sample" one token for every sequence
         that reached the end of its known tokens. Raises ``KeyError``/``ValueError`` for a plan
