@@ -1,4 +1,4 @@
-"""CPU paged attention: the C kernel (kvcache/cpu_kernels.py) beside the torch reference, one layer.
+"""CPU paged attention: the C kernel (worker_svc/cpu/attention.py) beside the torch reference, one layer.
 Feeds docs/benchmarks.md, section "CPU paged attention".
 
 Decode batches with contexts drawn from a range (the reference pads them to the longest), and
@@ -17,9 +17,9 @@ import random
 
 import torch
 
-from kvcache.cpu_kernels import kernels
 from kvcache.paged import AttentionMetadata, paged_attention_ref
 from pagewire.bench.timing import best_us
+from worker_svc.cpu.attention import kernel
 
 BLOCK, KV_HEADS, GROUP, HEAD_DIM = 16, 3, 3, 64  # SmolLM2-135M's attention shape
 
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per case; the best counts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    cpu = kernels()
+    cpu = kernel()
     if cpu is None:
         raise SystemExit("the CPU kernel did not build (is a C compiler on PATH?)")
     dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]

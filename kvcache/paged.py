@@ -3,18 +3,24 @@
 The scheduler owns block *allocation* (kvcache.allocator); this module only holds the tensors and
 applies what a step plan says. A token's K/V lives at a *slot*: ``block_id * block_size + offset``.
 ``AttentionMetadata`` (``kvcache.attention_metadata``) is re-exported here for the model code.
+
+Attention dispatches to the Triton kernels (``kvcache.triton_*``) on CUDA, to a C kernel on CPU,
+else to the torch reference here. The C kernel belongs to the worker's CPU package
+(``worker_svc.cpu.attention``: its source, its build, the ISA it is built for), and kvcache never
+imports the worker: the worker hands this module the kernel's loader at start-up
+(:func:`use_cpu_attention`, from ``worker_svc.cpu.prepare_model``). Until then, and in a process
+that never registers one, CPU attention is the torch reference.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from kvcache import cpu_kernels
 from kvcache.attention_metadata import AttentionMetadata
 from pagewire_common import envs
 
@@ -113,7 +119,8 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
     dtype. The cache may be bfloat16 under float32 queries (a bf16 model that computes in fp32).
 
     The dispatch point (see ``attention_backend``): the Triton kernel on CUDA, the C kernel
-    (kvcache/cpu_kernels.py) for float32/bfloat16 on CPU, the torch reference otherwise.
+    (registered by the worker, :func:`use_cpu_attention`) for float32/bfloat16 on CPU, the torch
+    reference otherwise.
     """
     if _use_triton(query):
         return _triton_kernels().paged_attention(query, kv_layer, meta, scale)
@@ -141,11 +148,12 @@ _ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 @functools.cache
 def attention_backend() -> str:
     """PAGEWIRE_ATTENTION_BACKEND, read once: ``auto`` (default: Triton kernels for CUDA tensors when
-    Triton imports; the C kernel for float32/bfloat16 CPU tensors when it builds; else the torch
-    reference), ``torch`` (always the reference), ``triton`` (always the Triton kernels; on CPU
-    tensors they run under Triton's interpreter, which must be switched on with TRITON_INTERPRET=1
-    before triton is imported; this is how tests exercise the dispatch) or ``cpu`` (the C kernel
-    for CPU attention, an error when it cannot be built; the append stays torch's scatter).
+    Triton imports; the C kernel for float32/bfloat16 CPU tensors when the worker registered it
+    and it builds; else the torch reference), ``torch`` (always the reference), ``triton`` (always
+    the Triton kernels; on CPU tensors they run under Triton's interpreter, which must be switched
+    on with TRITON_INTERPRET=1 before triton is imported; this is how tests exercise the dispatch)
+    or ``cpu`` (the C kernel for CPU attention, an error when it is not registered or cannot be
+    built; the append stays torch's scatter).
     Tests that change the variable call ``attention_backend.cache_clear()``."""
     backend = envs.attention_backend()
     if backend not in _ATTENTION_BACKENDS:
@@ -160,8 +168,32 @@ def _use_triton(tensor: torch.Tensor) -> bool:
     return backend == "triton"
 
 
+class CpuAttention(Protocol):
+    """The C paged-attention kernel for CPU, as the dispatch calls it (``worker_svc.cpu.attention``)."""
+
+    def supports(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool: ...
+
+    def paged_attention(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+        block_tables: torch.Tensor, scale: float, max_query_len: int | None = None, out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+# The loader of the C kernel for CPU attention, set by the worker (use_cpu_attention); None: none.
+_load_cpu_attention: Callable[[], CpuAttention | None] | None = None
+
+
+def use_cpu_attention(load: Callable[[], CpuAttention | None] | None) -> None:
+    """Take the C kernel for CPU attention from ``load`` (the worker's, registered at its start:
+    ``worker_svc.cpu.attention.kernel``), which builds or loads it on its first call, caches it,
+    and returns None when it cannot be built. It is called when the backend first sends CPU queries
+    to it (or at :func:`prepare_cpu_attention`). None unregisters it: the torch reference again."""
+    global _load_cpu_attention
+    _load_cpu_attention = load
+
+
 def prepare_cpu_attention(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:
-    """Build (or load) the C kernel now, at worker start, if the dispatch will use it for CPU
+    """Build (or load) the registered C kernel now, at worker start, if the dispatch will use it for CPU
     queries of ``dtype`` over a cache of ``kv_dtype`` (default: the same), instead of during the
     first request. Returns the CPU attention path: ``"C kernel"`` or ``"torch reference"`` (or
     ``"triton"`` when forced)."""
@@ -171,14 +203,17 @@ def prepare_cpu_attention(dtype: torch.dtype, kv_dtype: torch.dtype | None = Non
     return "C kernel" if _cpu_kernel_for(torch.device("cpu"), dtype, kv_dtype) is not None else "torch reference"
 
 
-def _cpu_kernel_for(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> cpu_kernels.CpuKernels | None:
+def _cpu_kernel_for(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> CpuAttention | None:
     """The C kernel when the backend picks it for queries on ``device`` of ``dtype`` over a cache of
     ``kv_dtype`` (default: the same), else None."""
     backend = attention_backend()
     if backend == "torch" or device.type != "cpu":
         return None
-    cpu = cpu_kernels.kernels()
+    cpu = None if _load_cpu_attention is None else _load_cpu_attention()
     if backend == "cpu":
+        if _load_cpu_attention is None:
+            raise RuntimeError("PAGEWIRE_ATTENTION_BACKEND=cpu, but no CPU attention kernel is registered "
+                               "(the worker registers it at start-up: kvcache.paged.use_cpu_attention)")
         if cpu is None:
             raise RuntimeError("PAGEWIRE_ATTENTION_BACKEND=cpu, but the CPU attention kernel could not be built (see the log)")
         if not cpu.supports(dtype, kv_dtype):

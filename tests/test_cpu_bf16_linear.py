@@ -11,16 +11,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kvcache import cbuild
 from kvcache.paged import PagedKVCache
 from pagewire_common.sampling import SamplingParams
 from tests.test_models import BLOCK_SIZE, PagedRunner, hf_tiny, prompts
+from worker_svc.cpu import build
 from worker_svc.layers import cpu_linear
 from worker_svc.layers.cpu_bf16_linear import Fp32Linear, compute_bf16_model_in_fp32
 from worker_svc.layers.cpu_linear import KernelLinear
 from worker_svc.weights import load_model
 
-needs_compiler = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")
 
 
 def bf16_model_and_reference(kind, tmp_path):

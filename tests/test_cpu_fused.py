@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcache import cbuild
+from worker_svc.cpu import build
 from worker_svc.layers import cpu_fused
 from worker_svc.layers.activation import ActAndMul
 from worker_svc.layers.cpu_fused import rms_norm_ref, silu_mul_ref, use_fused_cpu_kernels
 from worker_svc.layers.norms import RMSNorm
 
-pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")
 
 
 @pytest.fixture(scope="module")

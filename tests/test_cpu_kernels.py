@@ -1,4 +1,4 @@
-"""The C paged-attention kernel for CPU (kvcache/csrc) against the torch reference.
+"""The C paged-attention kernel for CPU (worker_svc/cpu/csrc/attention.c) against the torch reference.
 
 It must build wherever a C compiler is on PATH (CI has one); it reads K/V in place through the
 block table, so the cases put blocks in shuffled order, share prefix blocks, roll chunks over
@@ -12,18 +12,21 @@ import shutil
 import pytest
 import torch
 
-from kvcache import cbuild, cpu_kernels, paged
+from kvcache import paged
 from kvcache.paged import paged_attention, paged_attention_ref
 from tests.test_paged import make_metadata
+from worker_svc.cpu import attention, build
 
-pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_kernels.CpuKernels:
-    built = cpu_kernels.kernels()
+def kernel() -> attention.AttentionKernel:
+    built = attention.kernel()
     assert built is not None, "the CPU kernel did not build (see the log)"
-    return built
+    paged.use_cpu_attention(attention.kernel)  # as the worker does at start-up
+    yield built
+    paged.use_cpu_attention(None)
 
 
 def _batch(query_lens, seq_lens, block_size, num_kv_heads, group, dtype, *, shared_prefix_blocks=0, seed=0, spread=1.0,
@@ -145,12 +148,12 @@ def test_loading_it_leaves_subnormals_alone(kernel):
 
 
 def test_build_is_cached_by_content(tmp_path):
-    compiler = cbuild.compiler()
-    flags = cbuild.FLAG_SETS[-1]
-    source, abi = cpu_kernels._SOURCE, cpu_kernels._ABI
-    first = cbuild.build(source, compiler, flags, tmp_path, abi)
+    compiler = build.compiler()
+    flags = build.FLAG_SETS[-1]
+    source, abi = attention._SOURCE, attention._ABI
+    first = build.build(source, compiler, flags, tmp_path, abi)
     stamp = first.stat().st_mtime_ns
-    assert cbuild.build(source, compiler, flags, tmp_path, abi) == first and first.stat().st_mtime_ns == stamp
+    assert build.build(source, compiler, flags, tmp_path, abi) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
 
 
@@ -176,13 +179,13 @@ def test_backend_variable_selects_the_kernel(kernel, monkeypatch):
 def test_no_compiler_falls_back_to_the_reference(monkeypatch, caplog):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv("CC", raising=False)
-    cpu_kernels.kernels.cache_clear()
+    attention.kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="pagewire.worker"):
-            assert cpu_kernels.kernels() is None
+            assert attention.kernel() is None
         assert "no C compiler found" in caplog.text
     finally:
-        cpu_kernels.kernels.cache_clear()
+        attention.kernel.cache_clear()
 
 
 def test_worker_start_reports_the_path(kernel, monkeypatch):

@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from kvcache import cbuild
 from pagewire_common import cpu_features
 from tests.test_dtypes import AVX2, AVX512_BF16, ZEN4
+from worker_svc.cpu import build
 from worker_svc.layers import cpu_linear
 from worker_svc.layers.cpu_linear import KernelLinear, PackedLinear, linear_ref, pack_linears_for_cpu
 
-needs_compiler = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")
 needs_onednn = pytest.mark.skipif(not cpu_linear.mkldnn_linear_available(), reason="oneDNN not available")
 
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from kvcache import cbuild
 from pagewire_common import cpu_features
 from tests.test_cpu_linear import SHAPES
 from tests.test_dtypes import AMX, AVX2, AVX512_BF16, ZEN4
+from worker_svc.cpu import build
 from worker_svc.layers import cpu_linear
 from worker_svc.layers.cpu_linear import PackedLinear, PairLinear, pack_linears_for_cpu, pair_rows
 
-pytestmark = pytest.mark.skipif(cbuild.compiler() is None, reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")
 
 
 @pytest.fixture(scope="module")

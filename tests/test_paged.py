@@ -7,7 +7,18 @@ import math
 import pytest
 import torch
 
+from kvcache import paged
 from kvcache.paged import AttentionMetadata, PagedKVCache, paged_attention, paged_attention_ref, write_kv
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _worker_cpu_attention():
+    """CPU attention dispatched as in a worker, which registers its C kernel at start-up."""
+    from worker_svc.cpu.attention import kernel
+
+    paged.use_cpu_attention(kernel)
+    yield
+    paged.use_cpu_attention(None)
 
 
 def make_metadata(

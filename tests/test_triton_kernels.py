@@ -177,6 +177,8 @@ def backend(monkeypatch):
 
 
 def test_dispatch_follows_the_backend_variable(backend, monkeypatch):
+    from worker_svc.cpu.attention import kernel
+
     block_size, num_kv_heads, head_dim = 16, 1, 64
     meta, _ = make_batch([5, 1], [21, 16], block_size, num_blocks=5)
     kv_ref = torch.randn((2, 5, block_size, num_kv_heads, head_dim))  # the cached context
@@ -197,8 +199,14 @@ def test_dispatch_follows_the_backend_variable(backend, monkeypatch):
     backend("torch")  # always the reference
     with pytest.raises(AssertionError, match="reference"):
         paged.paged_attention(query, kv_triton, meta, 0.125)
-    backend("auto")  # CPU tensors: the C kernel (tests/test_cpu_kernels.py checks that it builds here)
-    torch.testing.assert_close(paged.paged_attention(query, kv_triton, meta, 0.125), expected, atol=2e-5, rtol=0)
+    backend("auto")  # CPU tensors: the reference until the worker registers its C kernel
+    with pytest.raises(AssertionError, match="reference"):
+        paged.paged_attention(query, kv_triton, meta, 0.125)
+    paged.use_cpu_attention(kernel)  # then the C kernel (tests/test_cpu_kernels.py checks that it builds here)
+    try:
+        torch.testing.assert_close(paged.paged_attention(query, kv_triton, meta, 0.125), expected, atol=2e-5, rtol=0)
+    finally:
+        paged.use_cpu_attention(None)
 
     backend("cuda")
     with pytest.raises(ValueError, match="PAGEWIRE_ATTENTION_BACKEND"):

@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention
+from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention, use_cpu_attention
 from pagewire_common import cpu_features
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.settings import Settings, check_all, default_of
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
+from worker_svc.cpu import attention as cpu_attention
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
 from worker_svc.nvtx import nvtx_range
@@ -170,6 +171,7 @@ class ModelRunner:
         else:
             linears = pack_linears_for_cpu(self.model) or "plain torch matmuls"
         fused = use_fused_cpu_kernels(self.model, compute_dtype) > 0
+        use_cpu_attention(cpu_attention.kernel)
         log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s", linears,
                  "fused C" if fused else "torch operators", prepare_cpu_attention(compute_dtype, self.dtype))
 

@@ -6,7 +6,7 @@ bf16 in memory, half the bytes to stream each step, and the C linear kernel
 (``layers/cpu_linear.py``) widens them to fp32 in registers: ``y = x W^T + b`` with x, y and b in
 fp32. Activations stay fp32 between layers (norms, rotary, activation functions, residuals); the
 embedding table, the output head and the paged KV cache stay bf16, and attention reads the bf16
-cache under fp32 queries (``kvcache/csrc/cpu_paged_attention.c``).
+cache under fp32 queries (``worker_svc/cpu/csrc/attention.c``).
 
 Without a C compiler, the linears' weights are widened to fp32 once at load and packed for oneDNN
 (fast, at fp32's memory for the weights; the cache stays bf16).

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache import cbuild
+from worker_svc.cpu import build
 from worker_svc.layers.activation import ActAndMul
 from worker_svc.layers.norms import RMSNorm
 
@@ -143,7 +143,7 @@ class FusedKernels:
 @functools.cache
 def kernel() -> FusedKernels | None:
     """The kernels, built on first call; None (after one warning) when they cannot be built."""
-    lib = cbuild.load(_SOURCE, "pagewire_cpu_fused_abi", _ABI, "norms and activations use torch operators")
+    lib = build.load(_SOURCE, "pagewire_cpu_fused_abi", _ABI, "norms and activations use torch operators")
     return None if lib is None else FusedKernels(lib)
 
 

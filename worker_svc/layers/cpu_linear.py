@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache import cbuild
+from worker_svc.cpu import build
 from pagewire_common import cpu_features
 
 log = logging.getLogger("pagewire.worker")
@@ -147,7 +147,7 @@ class LinearKernel:
 @functools.cache
 def kernel() -> LinearKernel | None:
     """The kernel, built on first call; None (after one warning) when it cannot be built."""
-    lib = cbuild.load(_SOURCE, "pagewire_cpu_linear_abi", _ABI,
+    lib = build.load(_SOURCE, "pagewire_cpu_linear_abi", _ABI,
                       "CPU linears use oneDNN with prepacked weights (fp32 weights)")
     return None if lib is None else LinearKernel(lib)
 

@@ -20,7 +20,7 @@
  * conversion flushes fp32 values below 2^-126 to zero where torch keeps a subnormal bf16; a
  * portable loop elsewhere.
  *
- * Built at first use by worker_svc/layers/cpu_fused.py (through kvcache.cbuild) and called through
+ * Built at first use by worker_svc/layers/cpu_fused.py (through worker_svc.cpu.build) and called through
  * ctypes; the torch references there are what tests hold it to.
  */
 #include <math.h>

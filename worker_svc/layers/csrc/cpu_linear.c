@@ -34,7 +34,7 @@
  * it); inside a chunk the OpenMP threads split the panels statically, so a thread keeps the same
  * panels for every chunk, and the panel after the current one is the one it prefetches.
  *
- * Built at first use by worker_svc/layers/cpu_linear.py (through kvcache.cbuild) and called through
+ * Built at first use by worker_svc/layers/cpu_linear.py (through worker_svc.cpu.build) and called through
  * ctypes; ``linear_ref`` there (torch) is what tests hold it to.
  */
 #define _GNU_SOURCE /* syscall() */

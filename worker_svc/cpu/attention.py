@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (csrc/cpu_paged_attention.c): built once, loaded with ctypes.
+"""The CPU paged-attention kernel (csrc/attention.c): built once, loaded with ctypes.
 
 On CPU the torch reference gathers every sequence's blocks into padded tensors and then runs
 SDPA: the context is copied, padded to the longest sequence, and read again. The C kernel reads
@@ -6,9 +6,12 @@ K/V in place through the block table, so a step's attention costs one pass over 
 really has. That matters most in mixed steps, where decodes with long contexts ride alongside a
 prefill chunk.
 
-Built at first use and loaded by ``kvcache.cbuild`` (``-O3 -march=native -fopenmp``, cached by
-source, flags, compiler and CPU). No compiler, or a failed build: :func:`kernels` returns None
+Built at first use and loaded by ``worker_svc.cpu.build`` (``-O3 -march=native -fopenmp``, cached
+by source, flags, compiler and CPU). No compiler, or a failed build: :func:`kernel` returns None
 with one warning, and attention stays on the torch reference.
+
+``kvcache.paged`` owns the dispatch and the torch reference, and does not import the worker: the
+worker registers :func:`kernel` there at start-up (``kvcache.paged.use_cpu_attention``).
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import pathlib
 
 import torch
 
-from kvcache import cbuild
+from worker_svc.cpu import build
 
-_SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_paged_attention.c"
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "attention.c"
 _ABI = 3
 _ERRORS = {
     -1: "num_heads is not a multiple of num_kv_heads",
@@ -33,7 +36,7 @@ _ERRORS = {
 }
 
 
-class CpuKernels:
+class AttentionKernel:
     """The loaded library, with a torch-facing call."""
 
     def __init__(self, lib: ctypes.CDLL, path: pathlib.Path):
@@ -99,7 +102,7 @@ class CpuKernels:
 
 
 @functools.cache
-def kernels() -> CpuKernels | None:
-    """The CPU kernels, built on first call; None (after one warning) when they cannot be built."""
-    lib = cbuild.load(_SOURCE, "pagewire_cpu_kernels_abi", _ABI, "CPU attention uses the slower torch reference")
-    return None if lib is None else CpuKernels(lib, pathlib.Path(lib._name))
+def kernel() -> AttentionKernel | None:
+    """The kernel, built on first call; None (after one warning) when it cannot be built."""
+    lib = build.load(_SOURCE, "pagewire_cpu_kernels_abi", _ABI, "CPU attention uses the slower torch reference")
+    return None if lib is None else AttentionKernel(lib, pathlib.Path(lib._name))

@@ -19,7 +19,7 @@
  * intrinsics took the kernel from ~400 to ~215 us per layer; what is left is mostly the context
  * arriving from memory (software prefetch of the next block did not change it).
  *
- * Built at first use by kvcache/cpu_kernels.py (cc -O3 -march=native -fopenmp) and called
+ * Built at first use by worker_svc/cpu/attention.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes; the torch reference in kvcache/paged.py is what tests hold it to.
  */
 #include <math.h>
@@ -352,5 +352,5 @@ DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16, ui
 DEFINE_PAGED_ATTENTION(paged_attention_f32_bf16kv, float, LOAD_F32, STORE_F32, uint16_t, block_scores_bf16,
                        block_values_bf16)
 
-/* The ABI version kvcache/cpu_kernels.py expects; bump it when a signature changes. */
+/* The ABI version worker_svc/cpu/attention.py expects; bump it when a signature changes. */
 int pagewire_cpu_kernels_abi(void) { return 3; }

@@ -8,8 +8,7 @@ processes can race to build it. It links the ``libgomp.so.1`` that torch has alr
 its threads are torch's OpenMP threads. No compiler, or a failed build: :func:`load` returns None
 with one warning, and the caller keeps its torch path.
 
-Used by the CPU attention kernel (``kvcache/cpu_kernels.py``) and the worker's CPU linear kernel
-(``worker_svc/layers/cpu_linear.py``).
+Used by every kernel of this package (``csrc/*.c``), and by nothing outside it.
 """
 
 from __future__ import annotations
