@@ -62,7 +62,7 @@ def main() -> int:
     if args.child:
         child(args.child, args.num_prompts, args.max_tokens, args.repeats, args.dtype)
         return 0
-    from pagewire_common.cpu_features import cpu_info
+    from worker_svc.cpu.features import cpu_info
 
     results: dict[str, list[str]] = {c: [] for c in CONFIGS}
     for _ in range(args.rounds):

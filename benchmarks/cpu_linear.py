@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagewire.bench.timing import best_us
-from pagewire_common.cpu_features import cpu_info
+from worker_svc.cpu.features import cpu_info
 from worker_svc.layers.cpu_linear import kernel, linear_ref
 
 NUM_LAYERS = 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from pagewire.bench.report import cpu_info, environment
-from pagewire_common.cpu_features import ISA_LEVELS
+from worker_svc.cpu.features import ISA_LEVELS
 
 AVX512_BF16_HOST = """\
 processor\t: 0

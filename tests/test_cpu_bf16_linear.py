@@ -103,10 +103,10 @@ def rounded_copy(model_dir, out_dir):
 def test_served_bf16_agrees_greedily_with_fp32_of_the_same_weights(tiny_model_dir, tmp_path, monkeypatch):
     """The trained tiny model, greedy, through the whole engine on a CPU without native bf16."""
     from pagewire import LLM
-    from pagewire_common import cpu_features
+    from worker_svc.cpu import features
     from tests.test_dtypes import AVX2
 
-    monkeypatch.setattr(cpu_features, "cpu_info", lambda: AVX2)
+    monkeypatch.setattr(features, "cpu_info", lambda: AVX2)
     model_dir = rounded_copy(tiny_model_dir("llama-gqa"), tmp_path / "rounded")
     prompts_ = [[1, 5, 9, 12, 40, 41], [3, 300, 301], [7] * 9, list(range(20, 45))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -122,11 +122,11 @@ def test_served_bf16_agrees_greedily_with_fp32_of_the_same_weights(tiny_model_di
 
 
 def test_a_cpu_with_native_bf16_keeps_its_path(tiny_model_dir, monkeypatch):
-    from pagewire_common import cpu_features
+    from worker_svc.cpu import features
     from tests.test_dtypes import AVX512_BF16
     from worker_svc.runner import ModelRunner, RunnerConfig
 
-    monkeypatch.setattr(cpu_features, "cpu_info", lambda: AVX512_BF16)
+    monkeypatch.setattr(features, "cpu_info", lambda: AVX512_BF16)
     runner = ModelRunner(tiny_model_dir("llama-gqa"), RunnerConfig(dtype="bfloat16", device="cpu", num_kv_blocks=8))
     assert not any(isinstance(m, (KernelLinear, Fp32Linear)) for m in runner.model.modules())
     assert runner.model.model.embed_tokens.output_dtype is None

@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pagewire_common import cpu_features
 from tests.test_dtypes import AVX2, AVX512_BF16, ZEN4
-from worker_svc.cpu import build
+from worker_svc.cpu import build, features
 from worker_svc.layers import cpu_linear
 from worker_svc.layers.cpu_linear import KernelLinear, PackedLinear, linear_ref, pack_linears_for_cpu
 
@@ -95,7 +94,7 @@ def test_packed_linear_matches_linear(rows, bias):
 def test_pack_model_replaces_linears_and_keeps_logits(tiny_model_dir, monkeypatch, cpu, layer_type, used):
     from worker_svc.weights import load_model
 
-    monkeypatch.setattr(cpu_features, "cpu_info", lambda: cpu)
+    monkeypatch.setattr(features, "cpu_info", lambda: cpu)
     model_dir = tiny_model_dir("qwen2-bias")  # tied embeddings: the lm_head is packed separately
     model, config = load_model(model_dir, torch.float32, "cpu")
     hidden = torch.randn(5, config.hidden_size)
@@ -111,7 +110,7 @@ def test_without_a_compiler_fp32_linears_go_to_onednn(tiny_model_dir, monkeypatc
 
     if not cpu_linear.mkldnn_linear_available():
         pytest.skip("oneDNN not available")
-    monkeypatch.setattr(cpu_features, "cpu_info", lambda: AVX2)
+    monkeypatch.setattr(features, "cpu_info", lambda: AVX2)
     monkeypatch.setattr(cpu_linear, "kernel", lambda: None)
     model, _ = load_model(tiny_model_dir("qwen2-bias"), torch.float32, "cpu")
     assert pack_linears_for_cpu(model) == "oneDNN, prepacked fp32 weights (avx2)"

@@ -11,10 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from pagewire_common import cpu_features
 from tests.test_cpu_linear import SHAPES
 from tests.test_dtypes import AMX, AVX2, AVX512_BF16, ZEN4
-from worker_svc.cpu import build
+from worker_svc.cpu import build, features
 from worker_svc.layers import cpu_linear
 from worker_svc.layers.cpu_linear import PackedLinear, PairLinear, pack_linears_for_cpu, pair_rows
 
@@ -133,7 +132,7 @@ def test_a_bf16_model_on_a_native_bf16_cpu_gets_the_pair_kernel_where_it_wins(
 
     if not cpu_linear.mkldnn_linear_available():
         pytest.skip("oneDNN not available")
-    monkeypatch.setattr(cpu_features, "cpu_info", lambda: cpu)
+    monkeypatch.setattr(features, "cpu_info", lambda: cpu)
     # on other hosts, the portable loop stands in for the dot products, and the vector path (or
     # that loop) for the tiles: linear_bf16_pairs_amx falls back to it where AMX is not granted
     monkeypatch.setattr(lib, "pairs_simd", pairs_simd)

@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
-from pagewire_common import cpu_features
-from pagewire_common.cpu_features import CpuInfo, parse_cpuinfo
 from pagewire_common.settings import Settings, default_of
 from worker_svc.config import ModelConfig
+from worker_svc.cpu import features
+from worker_svc.cpu.features import CpuInfo, parse_cpuinfo
 from worker_svc.dtypes import resolve_dtype
 from worker_svc.null_runner import NullRunner
 from worker_svc.runner import ModelRunner, RunnerConfig
@@ -108,7 +108,7 @@ def host(monkeypatch):
     """Makes this machine look like the CpuInfo given to the returned function."""
 
     def set_host(cpu: CpuInfo) -> None:
-        monkeypatch.setattr(cpu_features, "cpu_info", lambda: cpu)
+        monkeypatch.setattr(features, "cpu_info", lambda: cpu)
 
     return set_host
 

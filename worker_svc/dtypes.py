@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagewire_common import cpu_features
-from pagewire_common.cpu_features import CpuInfo
+from worker_svc.cpu import features
+from worker_svc.cpu.features import CpuInfo
 
 AUTO = "auto"
 _DTYPES = {
@@ -90,7 +90,7 @@ def resolve_dtype(
             return DtypeChoice(torch.bfloat16, what)
         return DtypeChoice(torch.float16, f"{what}, and this GPU has no bf16")
     if device.type == "cpu":
-        cpu = cpu or cpu_features.cpu_info()
+        cpu = cpu or features.cpu_info()
         if cpu.native_bf16:
             return DtypeChoice(torch.bfloat16, f"this CPU computes bf16 natively ({cpu.isa})")
         return DtypeChoice(torch.float32, f"this CPU has no native bf16 ({cpu.isa or 'unknown ISA'})")

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention, use_cpu_attention
-from pagewire_common import cpu_features
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.settings import Settings, check_all, default_of
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.cpu import attention as cpu_attention
+from worker_svc.cpu import features
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
 from worker_svc.nvtx import nvtx_range
@@ -164,7 +164,7 @@ class ModelRunner:
         it (layers.cpu_fused: fp32 with AVX2, bf16 with AVX-512 BF16). One log line says what runs
         where."""
         compute_dtype = self.dtype
-        cpu = cpu_features.cpu_info()
+        cpu = features.cpu_info()
         if self.dtype == torch.bfloat16 and not cpu.native_bf16:
             compute_dtype = torch.float32
             linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(self.model)

@@ -42,7 +42,7 @@ from pagewire.bench.metrics import (
     inter_token_latencies,
     ttft,
 )
-from pagewire_common import cpu_features
+from worker_svc.cpu import features
 
 JSON_SCHEMA_VERSION = 1
 OURS = "pagewire"
@@ -160,7 +160,7 @@ def cpu_info(cpuinfo: str | None = None) -> dict:
     different figures on an avx512_bf16 host and an avx2-only one), ``cpu_isa_flags`` (every one of
     ``ISA_LEVELS`` it has, best first), ``cpu_cores_usable`` (cores this process may run on).
     ``cpuinfo``: the text of /proc/cpuinfo, read here when None (empty where there is none)."""
-    cpu = cpu_features.cpu_info() if cpuinfo is None else cpu_features.parse_cpuinfo(cpuinfo)
+    cpu = features.cpu_info() if cpuinfo is None else features.parse_cpuinfo(cpuinfo)
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

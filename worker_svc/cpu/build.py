@@ -22,7 +22,8 @@ import shutil
 import subprocess
 import tempfile
 
-from pagewire_common import cpu_features, envs
+from pagewire_common import envs
+from worker_svc.cpu import features
 
 log = logging.getLogger("pagewire.worker")
 
@@ -45,7 +46,7 @@ def compiler() -> str | None:
 
 def _cpu_signature() -> str:
     """What -march=native depends on: the CPU's model and flags."""
-    cpu = cpu_features.cpu_info()
+    cpu = features.cpu_info()
     return f"{cpu.model}\n{' '.join(sorted(cpu.flags))}"
 
 

@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_svc.cpu import build
-from pagewire_common import cpu_features
+from worker_svc.cpu import build, features
 
 log = logging.getLogger("pagewire.worker")
 
@@ -264,7 +263,7 @@ def replace_linears(model: nn.Module, make_linear) -> int:
 _HALF_WIDTH_AVX512 = (("AuthenticAMD", 25),)
 
 
-def kernel_beats_onednn(cpu: cpu_features.CpuInfo) -> bool:
+def kernel_beats_onednn(cpu: features.CpuInfo) -> bool:
     """Whether fp32 linears go to the C kernel: on AVX2 CPUs without AVX-512, and on AMD Zen 4,
     whose AVX-512 is half width, where it is measured faster (``benchmarks/cpu_linear.py``: 1.6x
     oneDNN at 32 rows on Zen 3, 1.1-1.3x on Zen 4). With full-width AVX-512, oneDNN multiplies 16
@@ -274,7 +273,7 @@ def kernel_beats_onednn(cpu: cpu_features.CpuInfo) -> bool:
     return "avx512f" not in cpu.flags or (cpu.vendor, cpu.family) in _HALF_WIDTH_AVX512
 
 
-def pair_instructions(cpu: cpu_features.CpuInfo, lib: LinearKernel) -> str | None:
+def pair_instructions(cpu: features.CpuInfo, lib: LinearKernel) -> str | None:
     """What a bf16 model's linears multiply on in the kernel's bf16-pair layout, or None where
     oneDNN's bf16 is faster (``benchmarks/cpu_linear.py``, a pass through SmolLM2's linears):
 
@@ -301,7 +300,7 @@ def pack_linears_for_cpu(model: nn.Module) -> str | None:
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16):
         return None
-    cpu = cpu_features.cpu_info()
+    cpu = features.cpu_info()
     if first.dtype == torch.float32 and kernel_beats_onednn(cpu) and (lib := kernel()) is not None:
         replace_linears(model, functools.partial(KernelLinear, lib=lib))
         return f"C kernel, fp32 weights ({cpu.isa})"

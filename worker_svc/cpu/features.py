@@ -1,7 +1,9 @@
 """What this machine's CPU computes natively, from ``/proc/cpuinfo`` (torch-free).
 
 The worker asks it whether bfloat16 is native (``--dtype auto``, and how a bf16 model computes on
-CPU); the bench records the model and instruction set in its JSON.
+CPU) and which kernels fit the CPU; the build keys its cache on it; the bench records the model and
+instruction set in its JSON (``pagewire.bench.report``). It imports nothing but the standard
+library, so the bench may import it without torch.
 """
 
 from __future__ import annotations
