@@ -19,13 +19,12 @@ import sys
 import time
 from types import SimpleNamespace
 
-import numpy as np
-
 from pagewire_common import eventloop, wire
+from pagewire_common.core_messages import CoreOutputs, CoreRequests, NewRequest, first_request_id
+from pagewire_common.eventloop import Outbox
 from pagewire_common.plan import StepResult
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import Settings
-from pagewire_common.v1 import core_pb2
 from scheduler_svc.core.service import CoreService
 
 
@@ -86,30 +85,34 @@ async def run(args) -> tuple[float, float, int]:
                           link_factory=lambda address: workers.append(InstantWorker(address)) or workers[-1])
     service.start()
     await service.connected.wait()
-    client = service.open_client()
-    sampling = wire.sampling_to_pb(SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True))
-    prompt = np.arange(1, 17, dtype="<i4").tobytes()
+    # the messages cross as bytes both ways, as on a Connect session (the packing is the core's cost)
+    inbox = Outbox()
+    client = service.open_client(send=lambda outputs: inbox.put_nowait(outputs.to_bytes()))
+    sampling = SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True)
+    prompt = list(range(1, 17))
+    first_id = first_request_id(client.api_server_id)
     finished = 0
     acked = 0
+
+    def apply(requests: CoreRequests) -> None:
+        service.apply(client, CoreRequests.from_bytes(requests.to_bytes()))
 
     async def api_server() -> None:
         nonlocal finished, acked
         while finished < args.num_requests:
-            for msg in await client.outbox.take():
-                if msg is None:
-                    return
-                finished += len(msg.finished_rids) // 8
-                if msg.rids or msg.finished_rids:
+            for data in await inbox.take():
+                msg = CoreOutputs.from_bytes(data)
+                finished += len(msg.finished_ids)
+                if msg.has_tokens:
                     acked += 1
-                    service.apply(client, core_pb2.CoreRequests(num_outputs_done=acked))
+                    apply(CoreRequests(num_outputs_done=acked))
 
     consumer = asyncio.ensure_future(api_server())
     t0 = time.process_time()
     sent = 0
     while sent < args.num_requests:
         while sent - finished < args.streams and sent < args.num_requests:
-            service.apply(client, core_pb2.CoreRequests(adds=[core_pb2.CoreAdd(rid=sent, prompt_token_ids=prompt,
-                                                                                sampling=sampling)]))
+            apply(CoreRequests(adds=[NewRequest(first_id + sent, prompt, sampling)]))
             sent += 1
         await asyncio.sleep(0)
     await consumer

@@ -9,13 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
+from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import RequestOutput, Usage
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import SETTING_NAMES, Settings
 from scheduler_svc.api.text_stream import OutputProcessor
 from scheduler_svc.api.tokenizer import Tokenizer
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.engine import EngineCore, WorkerInfo, sample_request_id
+from scheduler_svc.core.delivery import ApiClient, deliver
+from scheduler_svc.core.engine import EngineCore, InProcessLink, WorkerInfo, run_step
 
 log = logging.getLogger("pagewire")
 
@@ -81,8 +83,7 @@ class LLM:
             tokenizer_eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
             has_tokenizer=tokenizer is not None,
         )
-        self.engine = EngineCore(SchedulerConfig.from_settings(self.settings, self.runner.max_model_len), info,
-                                 self.runner)
+        self.engine = EngineCore(SchedulerConfig.from_settings(self.settings, self.runner.max_model_len), info)
         self.tokenizer = tokenizer
         self._request_ids = itertools.count()
 
@@ -130,31 +131,48 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
 
         engine = self.engine
+        # the same path as served requests, without the processes: the engine's steps become
+        # CoreOutputs for one API server (``deliver``), and those become text (``OutputProcessor``)
+        steps: list[CoreOutputs] = []
+        client = ApiClient(0, send=steps.append)
+        clients = {0: client}
         processor = OutputProcessor(self.tokenizer)
-        request_ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
-        collected: dict[str, list[RequestOutput]] = {}
-        for rid, ids, sp in zip(request_ids, token_lists, params):
-            engine.add_request(rid, ids, sp)
+        requests = []  # (request id, name, prompt ids, sampling)
+        for ids, sp in zip(token_lists, params):
+            request_id = next(self._request_ids)
+            for _ in range(1, sp.n):  # the samples take the next ids
+                next(self._request_ids)
+            requests.append((request_id, f"offline-{request_id}", ids, sp))
+        collected: dict[int, list[RequestOutput]] = {}
+        for request_id, name, ids, sp in requests:
+            engine.add_request(request_id, ids, sp, validated=True)
+            client.request_ids.update(range(request_id, request_id + sp.n))
+            processor.add(request_id, name, ids, sp)
             for index in range(sp.n):
-                sample_id = sample_request_id(rid, index)
-                collected[sample_id] = []
-                processor.add(sample_id, ids, sp).index = index
+                collected[request_id + index] = []
+        link = InProcessLink(self.runner)
+        depth = 2 if self.settings.overlap else 1
         try:
-            while engine.has_unfinished():
-                outputs, stopped = processor.process(engine.step())
-                for rid in stopped:
-                    engine.finish(rid)
-                for out in outputs:
-                    collected[out.request_id].append(out)
-            engine.drain()  # drop the finished sequences' worker state too
+            while not engine.is_idle():  # until every request ended and the worker dropped them
+                step = run_step(engine, link, depth)
+                if step is None:
+                    continue
+                deliver(step, clients)
+                for outputs in steps:
+                    ready, stopped = processor.apply(outputs)
+                    for request_id in stopped:
+                        engine.finish(request_id)
+                        client.request_ids.discard(request_id)
+                    for request_id, delta in ready:
+                        collected[request_id].append(delta)
+                steps.clear()
         except BaseException:
-            for rid, sp in zip(request_ids, params):
-                for index in range(sp.n):
-                    engine.abort(sample_request_id(rid, index))
+            for request_id in list(client.request_ids):
+                engine.abort(request_id)
             raise
         outputs = []
-        for rid, ids, sp in zip(request_ids, token_lists, params):
-            samples = [self._merge(rid, ids, collected[sample_request_id(rid, i)]) for i in range(sp.n)]
+        for request_id, name, ids, sp in requests:
+            samples = [self._merge(name, ids, collected[request_id + i]) for i in range(sp.n)]
             if sp.n > 1:
                 samples[0].samples = samples
             outputs.append(samples[0])

@@ -97,3 +97,77 @@ class LaggingLink:
         result = self.worker.execute(self.sent.pop(0))
         self.num_sampled = getattr(self, "num_sampled", 0) + len(result.token_ids)
         return result
+
+
+class DrivenEngine:
+    """An ``EngineCore`` as tests drive it: requests by name (sample ``i`` of ``n`` is
+    ``"name#i"``), and ``step``/``pipeline_step``/``drain`` that make the engine's one driver's
+    calls (``run_step``) and return a token delta per sequence. Everything else is the engine's."""
+
+    def __init__(self, engine, worker):
+        from scheduler_svc.core.engine import InProcessLink
+
+        self.engine = engine
+        self.link = InProcessLink(worker)  # one plan at a time unless a test passes its own link
+        self.ids: dict[str, int] = {}
+        self.names: dict[int, str] = {}
+        self._next_id = 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def add_request(self, name: str, prompt_token_ids=None, sampling=None, **kwargs):
+        from pagewire_common.sampling import SamplingParams
+
+        n = (sampling or SamplingParams()).n
+        if name in self.ids and self.ids[name] in self.engine._requests:
+            raise ValueError(f"request id {name!r} is already in flight")
+        seq = self.engine.add_request(self._next_id, prompt_token_ids, sampling, **kwargs)
+        for index in range(n):
+            self.ids[name if index == 0 else f"{name}#{index}"] = self._next_id + index
+            self.names[self._next_id + index] = name if index == 0 else f"{name}#{index}"
+        self._next_id += n
+        return seq
+
+    def request(self, name: str):
+        """The sequence of a request (or sample) in flight."""
+        return self.engine._requests[self.ids[name]]
+
+    def abort(self, name: str) -> bool:
+        return name in self.ids and self.engine.abort(self.ids[name])
+
+    def finish(self, name: str, *args) -> bool:
+        return name in self.ids and self.engine.finish(self.ids[name], *args)
+
+    def step(self):
+        return self.pipeline_step(self.link, 1)
+
+    def pipeline_step(self, link, max_in_flight: int = 2):
+        from scheduler_svc.core.engine import run_step
+
+        step = run_step(self.engine, link, max_in_flight)
+        return [] if step is None else self.outputs(step.sequences())
+
+    def drain(self) -> None:
+        """Send the plans that only drop ended sequences from the worker."""
+        from scheduler_svc.core.engine import run_step
+
+        while not self.engine.is_idle():
+            run_step(self.engine, self.link, 1)
+
+    def outputs(self, seqs):
+        """A ``RequestOutput`` per sequence (one token each), usage on the last."""
+        from pagewire_common.requests import RequestOutput, Usage
+
+        outs = []
+        for seq in seqs:
+            out = RequestOutput(self.names[seq.seq_id], [seq.token_ids[-1]], "", seq.finish_reason,
+                                [seq.logprobs[-1]] if seq.sampling.logprobs else None, index=seq.sample_index)
+            if seq.sampling.top_logprobs:
+                out.top_logprobs = [seq.top_logprobs[-1]]
+            if seq.finish_reason is not None:
+                out.usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens or 0)
+            if seq.num_output_tokens == 1:
+                out.num_cached_prompt_tokens = seq.num_cached_prompt_tokens or 0
+            outs.append(out)
+        return outs

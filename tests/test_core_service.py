@@ -12,13 +12,11 @@ import asyncio
 from types import SimpleNamespace
 
 import grpc
-import numpy as np
 import pytest
 
-from pagewire_common import wire
+from pagewire_common.core_messages import FINISH_CODES, CoreRequests, NewRequest, first_request_id
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import Settings
-from pagewire_common.v1 import core_pb2
 from scheduler_svc.core.service import BACKPRESSURE_TIMEOUT_S, ApiClient, CoreService
 from scheduler_svc.core.worker_client import WorkerLinkError
 from tests.fake_worker import EOS, VOCAB, FakeKVWorker, reference_tokens
@@ -68,9 +66,20 @@ class InProcessLink:
         pass
 
 
-def _add(rid: int, prompt: list[int], sampling: SamplingParams) -> core_pb2.CoreAdd:
-    return core_pb2.CoreAdd(rid=rid, prompt_token_ids=np.asarray(prompt, dtype="<i4").tobytes(),
-                            sampling=wire.sampling_to_pb(sampling))
+def _add(index: int, prompt: list[int], sampling: SamplingParams) -> NewRequest:
+    """A request numbered ``index`` among its API server's (``_requests`` gives it that server's id)."""
+    return NewRequest(index, prompt, sampling)
+
+
+def _requests(client: ApiClient, adds=(), **fields) -> CoreRequests:
+    """What an API server sends: its requests numbered from 0 take its ids (the core's id of the
+    server in the high half), as ``ApiServer.submit`` gives them."""
+    base = first_request_id(client.api_server_id)
+    return CoreRequests(adds=[NewRequest(base + a.request_id, a.prompt_token_ids, a.sampling) for a in adds], **fields)
+
+
+def _index(client: ApiClient, request_id: int) -> int:
+    return request_id - first_request_id(client.api_server_id)
 
 
 class Received:
@@ -90,18 +99,17 @@ class Received:
                 if msg is None:
                     return
                 self.num_messages += 1
-                rids = np.frombuffer(msg.rids, dtype="<i8").tolist()
+                rids = [_index(client, i) for i in msg.request_ids.tolist()]
                 assert len(rids) == len(set(rids)), "a request appears twice in one step's message"
-                for rid, tok in zip(rids, np.frombuffer(msg.token_ids, dtype="<i4").tolist()):
+                for rid, tok in zip(rids, msg.token_ids.tolist()):
                     self.tokens.setdefault(rid, []).append(tok)
-                for rid, code in zip(np.frombuffer(msg.finished_rids, dtype="<i8").tolist(),
-                                     np.frombuffer(msg.finish_reasons, dtype="<i4").tolist()):
-                    self.finished[rid] = code
+                for rid, reason in zip(msg.finished_ids, msg.finish_reasons):
+                    self.finished[_index(client, rid)] = FINISH_CODES[reason]
                 for err in msg.errors:
-                    self.errors[err.rid] = (err.code, err.message)
-                if self.service is not None and (msg.rids or msg.finished_rids):
+                    self.errors[_index(client, err.request_id)] = (err.code, err.message)
+                if self.service is not None and msg.has_tokens:
                     self.num_done += 1
-                    self.service.apply(client, core_pb2.CoreRequests(num_outputs_done=self.num_done))
+                    self.service.apply(client, _requests(client, num_outputs_done=self.num_done))
 
 
 async def _serve(options: Settings, prompts: list[list[int]], max_tokens: int, per_turn: int = 1):
@@ -130,7 +138,7 @@ async def _serve(options: Settings, prompts: list[list[int]], max_tokens: int, p
     received = Received(service)
     collector = asyncio.ensure_future(received.collect(client, len(prompts)))
     for i, prompt in enumerate(prompts):
-        service.apply(client, core_pb2.CoreRequests(adds=[_add(i, prompt, sampling)]))
+        service.apply(client, _requests(client, adds=[_add(i, prompt, sampling)]))
         submitted += 1
         if (i + 1) % per_turn == 0:
             await asyncio.sleep(0)
@@ -270,8 +278,8 @@ def test_two_api_servers_get_one_message_per_step_with_only_their_tokens():
         got = {a: Received(service), b: Received(service)}
         collectors = [asyncio.ensure_future(got[c].collect(c, 5)) for c in (a, b)]
         # the same rids on both servers: the core keeps them apart
-        service.apply(a, core_pb2.CoreRequests(adds=[_add(i, prompts[i], sampling) for i in range(5)]))
-        service.apply(b, core_pb2.CoreRequests(adds=[_add(i, prompts[5 + i], sampling) for i in range(5)]))
+        service.apply(a, _requests(a, adds=[_add(i, prompts[i], sampling) for i in range(5)]))
+        service.apply(b, _requests(b, adds=[_add(i, prompts[5 + i], sampling) for i in range(5)]))
         await asyncio.wait_for(asyncio.gather(*collectors), 30)
         steps = service.num_steps
         engine = service.engine
@@ -295,10 +303,10 @@ def test_a_closed_api_server_stream_aborts_its_requests_and_frees_their_blocks()
         service, _ = await _core(Settings(max_num_batched_tokens=4096))
         gone, stays = service.open_client(), service.open_client()
         long = SamplingParams(max_tokens=200, ignore_eos=True)
-        service.apply(gone, core_pb2.CoreRequests(adds=[_add(i, p, long) for i, p in enumerate(_prompts(4))]))
+        service.apply(gone, _requests(gone, adds=[_add(i, p, long) for i, p in enumerate(_prompts(4))]))
         received = Received(service)
         collector = asyncio.ensure_future(received.collect(stays, 2))
-        service.apply(stays, core_pb2.CoreRequests(adds=[_add(i, p, SamplingParams(max_tokens=30, ignore_eos=True))
+        service.apply(stays, _requests(stays, adds=[_add(i, p, SamplingParams(max_tokens=30, ignore_eos=True))
                                                          for i, p in enumerate(_prompts(2))]))
         for _ in range(20):
             await asyncio.sleep(0)
@@ -326,10 +334,10 @@ def test_refusals_come_back_on_the_stream_with_their_status():
         ok = SamplingParams(max_tokens=50, ignore_eos=True)
         received = Received(service)
         collector = asyncio.ensure_future(received.collect(client, 4))
-        service.apply(client, core_pb2.CoreRequests(adds=[_add(1, [1, 2, 3], ok)]))
+        service.apply(client, _requests(client, adds=[_add(1, [1, 2, 3], ok)]))
         for _ in range(10):
             await asyncio.sleep(0)  # 1 runs
-        service.apply(client, core_pb2.CoreRequests(adds=[
+        service.apply(client, _requests(client, adds=[
             _add(2, [1, 2, 3], ok),  # waits
             _add(3, [1, 2, 3], ok),  # the queue is full
             _add(4, [1, VOCAB + 5], ok),  # outside the vocabulary
@@ -362,8 +370,8 @@ def test_a_lost_worker_fails_every_request_with_unavailable():
         service, links = await _core(Settings(max_num_batched_tokens=4096))
         a, b = service.open_client(), service.open_client()
         long = SamplingParams(max_tokens=500, ignore_eos=True)
-        service.apply(a, core_pb2.CoreRequests(adds=[_add(i, p, long) for i, p in enumerate(_prompts(3))]))
-        service.apply(b, core_pb2.CoreRequests(adds=[_add(7, [1, 2], long)]))
+        service.apply(a, _requests(a, adds=[_add(i, p, long) for i, p in enumerate(_prompts(3))]))
+        service.apply(b, _requests(b, adds=[_add(7, [1, 2], long)]))
         for _ in range(10):
             await asyncio.sleep(0)
         ra, rb = Received(service), Received(service)
@@ -389,12 +397,12 @@ def test_the_core_runs_at_most_a_step_ahead_of_an_api_server_that_has_not_caught
     async def main():
         service, _ = await _core(Settings(max_num_batched_tokens=4096, admission_turns=0))
         client = service.open_client()
-        service.apply(client, core_pb2.CoreRequests(adds=[_add(0, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))]))
+        service.apply(client, _requests(client, adds=[_add(0, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))]))
         for _ in range(200):
             await asyncio.sleep(0)
         stalled_at = service.num_steps
         messages = [m for m in await client.outbox.take() if m is not None]
-        with_tokens = [m for m in messages if m.rids]
+        with_tokens = [m for m in messages if len(m.request_ids)]
         # two results came back (the plan in flight is the one after them): nothing more until the API
         # server says it handed on all but the latest
         assert stalled_at == 2 and len(with_tokens) == 2
@@ -404,7 +412,7 @@ def test_the_core_runs_at_most_a_step_ahead_of_an_api_server_that_has_not_caught
         assert moved_on > stalled_at + 5 and client.unresponsive
         received = Received(service)
         received.num_done = 2
-        service.apply(client, core_pb2.CoreRequests(num_outputs_done=2))
+        service.apply(client, _requests(client, num_outputs_done=2))
         assert not client.unresponsive  # it answered: waited for again
         await asyncio.wait_for(received.collect(client, 1), 10)
         steps = service.num_steps

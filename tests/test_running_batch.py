@@ -15,7 +15,7 @@ from pagewire_common.sampling import SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.engine import EngineCore, WorkerInfo
 from scheduler_svc.core.running_step import FAST_DECODE_MIN_ROWS
-from tests.fake_worker import EOS, VOCAB, FakeKVWorker, LaggingLink
+from tests.fake_worker import EOS, VOCAB, DrivenEngine, FakeKVWorker, LaggingLink
 
 
 def make_engine(fast: bool, *, num_blocks: int, block_size: int, budget: int, prefix: bool, max_num_seqs: int):
@@ -23,7 +23,7 @@ def make_engine(fast: bool, *, num_blocks: int, block_size: int, budget: int, pr
     info = WorkerInfo("fake", VOCAB, 256, block_size, num_blocks, (EOS,))
     config = SchedulerConfig(max_model_len=256, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                              enable_prefix_caching=prefix)
-    engine = EngineCore(config, info, worker)
+    engine = DrivenEngine(EngineCore(config, info), worker)
     engine.scheduler.fast_decode = fast
     engine.scheduler.fast_decode_min_rows = 1  # the arrays even for a single sequence
     return engine, LaggingLink(worker)
@@ -78,9 +78,9 @@ def run_workload(fast: bool, seed: int, depth: int, threshold: int | None = 1, *
             plans.append(plan)
         if engine.should_receive(plan is not None, depth):
             for seq in engine.on_result(link.receive()).sequences():
-                outputs.append((seq.request_id, seq.token_ids[-1], seq.finish_reason))
+                outputs.append((seq.seq_id, seq.token_ids[-1], seq.finish_reason))
                 if seq.finish_reason is not None:
-                    live.discard(seq.request_id)
+                    live.discard(engine.names[seq.seq_id])
         engine.allocator.check_integrity()
         engine.scheduler.batch.check(engine.scheduler.running)
         states.append(repr(allocator_state(engine.allocator)))

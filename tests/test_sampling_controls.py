@@ -12,6 +12,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from pagewire import LLM, SamplingParams
 from pagewire_common.plan import StepPlan
+from tests.fake_worker import DrivenEngine
 from tests.test_parity import assert_all_free, eos_ids, hf_model
 from tests.tiny_models import sample_prompts
 from worker_svc.sampler import Sampler, SamplingBatch
@@ -71,7 +72,7 @@ def run(llm: LLM, prompts, params, overlap: bool) -> list:
     """Generate with overlap (two plans in flight) or one plan at a time."""
     if not overlap:
         return llm.generate(prompts, params)
-    engine = llm.engine
+    engine = DrivenEngine(llm.engine, llm.runner)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, sp)
     link = ImmediateLink(llm.runner)
@@ -218,12 +219,12 @@ def test_engine_rejects_bias_outside_vocabulary_and_n_beyond_max_num_seqs(model_
 
 def test_n_samples_share_the_prompt_blocks_then_sample_on_their_own(model_dir):
     llm = LLM(model_dir, block_size=4, max_num_batched_tokens=64, num_kv_blocks=200)
-    engine, allocator = llm.engine, llm.allocator
+    engine, allocator = DrivenEngine(llm.engine, llm.runner), llm.allocator
     prompt = sample_prompts(model_dir, n=8)[5]  # 50 tokens: 12 full blocks and a partial one
     sp = SamplingParams(temperature=1.0, seed=7, max_tokens=12, n=4)
     parent = engine.add_request("r", prompt, sp)
     engine.step()  # the prompt, once
-    samples = [engine._requests[f"r#{i}"] for i in (1, 2, 3)]
+    samples = [engine.request(f"r#{i}") for i in (1, 2, 3)]
     shared = allocator.block_ids(parent.seq_id)[: len(prompt) // 4]
     for sample in samples:
         assert allocator.block_ids(sample.seq_id)[:-1] == shared
@@ -266,7 +267,7 @@ def test_n_greedy_samples_equal_one_greedy_run_under_preemption(model_dir, overl
 
 
 def run_n(llm, prompts, params):
-    engine = llm.engine
+    engine = DrivenEngine(llm.engine, llm.runner)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"q{i}", p, sp)
     link = ImmediateLink(llm.runner)

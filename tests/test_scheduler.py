@@ -11,7 +11,7 @@ from pagewire_common.requests import FinishReason
 from pagewire_common.sampling import SamplingParams
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.engine import EngineCore, WorkerInfo
-from tests.fake_worker import EOS, VOCAB, FakeKVWorker, LaggingLink, reference_tokens
+from tests.fake_worker import EOS, VOCAB, DrivenEngine, FakeKVWorker, LaggingLink, reference_tokens
 
 
 def make_engine(num_blocks=64, block_size=4, budget=16, max_num_seqs=64, prefix=True, max_model_len=512, pacing=0):
@@ -24,7 +24,7 @@ def make_engine(num_blocks=64, block_size=4, budget=16, max_num_seqs=64, prefix=
         enable_prefix_caching=prefix,
         prefill_pacing_steps=pacing,
     )
-    return EngineCore(config, info, worker), worker
+    return DrivenEngine(EngineCore(config, info), worker), worker
 
 
 def make_prompts(n, seed=0, lengths=None):
@@ -460,6 +460,8 @@ def test_stream_interval_groups_deltas_without_changing_outputs(smollm2_dir, int
     character for character; a stop string ends the request in the engine."""
     from scheduler_svc.api.text_stream import OutputProcessor
     from scheduler_svc.api.tokenizer import Tokenizer
+    from scheduler_svc.core.delivery import ApiClient, deliver
+    from scheduler_svc.core.engine import run_step
 
     tok = Tokenizer(smollm2_dir)  # the fake worker's token ids (< 1000) are all in its vocabulary
     prompts = make_prompts(4, seed=21, lengths=[6, 9, 13, 30])
@@ -474,18 +476,28 @@ def test_stream_interval_groups_deltas_without_changing_outputs(smollm2_dir, int
     ]
 
     def run(stream_interval):
+        # the path of a served request: the engine's steps become CoreOutputs for one API server
+        # (deliver), and those become text deltas (OutputProcessor)
         engine, _ = make_engine(num_blocks=256, budget=32)
+        sent = []
+        client = ApiClient(0, send=sent.append)
         processor = OutputProcessor(tok, stream_interval)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sp)
-            processor.add(f"r{i}", p, sp)
+            client.request_ids.add(engine.ids[f"r{i}"])
+            processor.add(engine.ids[f"r{i}"], f"r{i}", p, sp)
         deltas = {f"r{i}": [] for i in range(len(prompts))}
         while engine.has_unfinished():
-            outputs, stopped = processor.process(engine.step())
-            for rid in stopped:
-                assert engine.finish(rid)
-            for o in outputs:
-                deltas[o.request_id].append(o)
+            step = run_step(engine.engine, engine.link, 1)
+            deliver(step, {0: client})
+            for outputs in sent:
+                ready, stopped = processor.apply(outputs)
+                for request_id in stopped:
+                    assert engine.engine.finish(request_id)
+                    client.request_ids.discard(request_id)
+                for _, o in ready:
+                    deltas[o.request_id].append(o)
+            sent.clear()
         engine.drain()
         assert_all_free(engine)
         assert not processor.streams

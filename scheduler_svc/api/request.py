@@ -10,11 +10,12 @@ HTTP door maps that status to its own.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 import grpc
 
@@ -22,8 +23,26 @@ from pagewire_common.eventloop import Outbox
 from pagewire_common.requests import RequestOutput, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from scheduler_svc.api.server import ApiServer
+
+class ApiServer(Protocol):
+    """What a request needs of the API server it came in by (``api.server.ApiServer``)."""
+
+    draining: bool  # shutting down: refuse new requests
+    model: Any  # the served model (limits, tokenizer), None until the core reported it
+    connected: asyncio.Event  # the link to the core and the core's to the worker are up
+    core_connected: bool
+    metrics: Any  # RequestMetrics, or None
+
+    def submit(self, name: str, token_ids: list[int], sampling: SamplingParams, outbox: Outbox,
+               request: "ApiRequest") -> int: ...
+
+    def abort(self, request_id: int) -> None: ...
+
+    def reject(self) -> None: ...
+
+    def note_undelivered(self) -> None: ...
+
+    def delivered(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -82,7 +101,7 @@ class ApiRequest:
     ones that piled up while the reader was busy); ``close`` it when done (an unfinished request
     is aborted, its blocks freed within a step)."""
 
-    __slots__ = ("api", "rid", "request_id", "prompt_token_ids", "sampling", "outbox", "finished",
+    __slots__ = ("api", "id", "request_id", "prompt_token_ids", "sampling", "outbox", "finished",
                  "arrival", "first_token_at", "last_token_at", "num_output_tokens", "num_unfinished", "was_started")
 
     def __init__(self, api: ApiServer, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
@@ -97,7 +116,7 @@ class ApiRequest:
         self.num_output_tokens = 0
         self.num_unfinished = sampling.n  # samples still running (n > 1: each finishes on its own)
         self.was_started = False
-        self.rid = api.submit(request_id, prompt_token_ids, sampling, self.outbox, self)
+        self.id = api.submit(request_id, prompt_token_ids, sampling, self.outbox, self)  # the core's id
 
     async def __aiter__(self) -> AsyncIterator[list[RequestOutput]]:
         while not self.finished:
@@ -142,7 +161,7 @@ class ApiRequest:
         if not self.finished:  # cancelled, deadline passed, or the client went away
             self.finished = True
             for index in range(self.sampling.n):
-                self.api.abort(self.rid + index)
+                self.api.abort(self.id + index)
             if self.api.metrics is not None:
                 self.api.metrics.finished("abort", time.monotonic() - self.arrival)
 

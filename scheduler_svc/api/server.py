@@ -17,12 +17,12 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import wire
 from pagewire_common.addresses import add_port
+from pagewire_common.core_messages import CoreOutputs, CoreRequests, NewRequest, first_request_id
 from pagewire_common.eventloop import Outbox
 from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
 from pagewire_common.requests import FinishReason, RequestOutput
@@ -37,18 +37,14 @@ from scheduler_svc.api.request import (
     RequestError,
     open_request,
 )
-from scheduler_svc.api.text_stream import TextStream
+from scheduler_svc.api.text_stream import OutputProcessor
 from scheduler_svc.api.tokenizer import OffloadedTokenizer, Tokenizer
 
 log = logging.getLogger("pagewire.api")
 
 SERVICE_NAME = "pagewire.v1.Generation"
 _FINISH = {None: pb.UNSPECIFIED, FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
-_REASONS = {pb.STOP: FinishReason.STOP, pb.LENGTH: FinishReason.LENGTH}
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_I32 = np.dtype("<i4")
-_I64 = np.dtype("<i8")
-_F32 = np.dtype("<f4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +57,14 @@ class ServedModel:
 
 
 class _Pending:
-    __slots__ = ("stream", "outbox", "request")
+    """A request (sample) in flight: where its deltas go, and the request they belong to."""
 
-    def __init__(self, stream: TextStream, outbox: Outbox, request: ApiRequest | None):
-        self.stream = stream
+    __slots__ = ("outbox", "request", "n")
+
+    def __init__(self, outbox: Outbox, request: ApiRequest | None, n: int):
         self.outbox = outbox
         self.request = request
+        self.n = n  # the request's number of samples
 
 
 class ApiServer:
@@ -80,17 +78,16 @@ class ApiServer:
         self._channel = grpc.aio.insecure_channel(core_address, options=CHANNEL_OPTIONS)
         self._stub = core_pb2_grpc.SchedulerCoreStub(self._channel)
         self._session: LinkSession | None = None
-        self._rids = itertools.count(1)
-        self.pending: dict[int, _Pending] = {}
+        # request ids: this server's id from the core (in the high half), then a counter
+        self._request_ids = itertools.count(first_request_id(0))
+        self.pending: dict[int, _Pending] = {}  # request id (one per sample) -> where its deltas go
+        self.output = OutputProcessor(None, stream_interval)  # their text streams
         self.model: ServedModel | None = None
         self.core_connected = False
         self.worker_connected = False
         self.worker_generation = 0
         self.connected = asyncio.Event()  # core link up, worker up, model known
-        self._out = core_pb2.CoreRequests()
-        self._aborts: list[int] = []
-        self._stops: list[int] = []
-        self._num_rejected = 0
+        self._out = CoreRequests()  # queued for the core until the next turn of the loop
         self._flush_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -134,30 +131,30 @@ class ApiServer:
 
     def reject(self) -> None:
         """Count a request this server refused (the core's Stats report it)."""
-        self._num_rejected += 1
+        self._out.num_rejected += 1
         self._flush_wanted.set()
 
-    def submit(self, request_id: str, token_ids: list[int], sampling, outbox: Outbox,
+    def submit(self, name: str, token_ids: list[int], sampling, outbox: Outbox,
                request: ApiRequest | None = None) -> int:
+        """Hand a request to the core; returns its id (``name`` is what the client calls it)."""
         if not self.connected.is_set():
             raise NotReadyError("the worker is not connected" if self.core_connected else "the scheduler core is not connected")
-        rid = next(self._rids)
-        # n > 1: the samples are the n consecutive rids from this one, each with its own stream
-        for index in range(1, sampling.n):
-            next(self._rids)
+        request_id = next(self._request_ids)
+        # n > 1: the samples are the n consecutive ids from this one, each with its own stream
+        for _ in range(1, sampling.n):
+            next(self._request_ids)
+        self.output.add(request_id, name, token_ids, sampling)
         for index in range(sampling.n):
-            stream = TextStream(request_id, token_ids, sampling, self.model.tokenizer, self.stream_interval, index)
-            self.pending[rid + index] = _Pending(stream, outbox, request)
-        self._out.adds.append(core_pb2.CoreAdd(
-            rid=rid, prompt_token_ids=np.asarray(token_ids, dtype=_I32).tobytes(),
-            sampling=wire.sampling_to_pb(sampling), request_id=request_id))
+            self.pending[request_id + index] = _Pending(outbox, request, sampling.n)
+        self._out.adds.append(NewRequest(request_id, token_ids, sampling))
         self._flush_wanted.set()
-        return rid
+        return request_id
 
-    def abort(self, rid: int) -> None:
+    def abort(self, request_id: int) -> None:
         """The client went away (cancelled, deadline): the core frees the request's blocks."""
-        if self.pending.pop(rid, None) is not None:
-            self._aborts.append(rid)
+        if self.pending.pop(request_id, None) is not None:
+            self.output.remove(request_id)
+            self._out.abort_ids.append(request_id)
             self._flush_wanted.set()
 
     def flush(self) -> None:
@@ -172,7 +169,8 @@ class ApiServer:
             self._session.close()
 
     def _has_queued(self) -> bool:
-        return bool(self._out.adds or self._aborts or self._stops or self._num_rejected or self._out.ready
+        out = self._out
+        return bool(out.adds or out.abort_ids or out.stop_ids or out.num_rejected or out.ready
                     or self._num_outputs_done != self._num_outputs_acked)
 
     async def _write_loop(self) -> None:
@@ -184,16 +182,9 @@ class ApiServer:
             self.flush()
 
     def _write_one(self) -> None:
-        msg, self._out = self._out, core_pb2.CoreRequests()
-        if self._aborts:
-            msg.abort_rids = np.asarray(self._aborts, dtype=_I64).tobytes()
-            self._aborts = []
-        if self._stops:
-            msg.stop_rids = np.asarray(self._stops, dtype=_I64).tobytes()
-            self._stops = []
-        msg.num_rejected, self._num_rejected = self._num_rejected, 0
+        msg, self._out = self._out, CoreRequests()
         msg.num_outputs_done = self._num_outputs_acked = self._num_outputs_done
-        self._session.write(msg.SerializeToString())
+        self._session.write(msg.to_bytes())
 
     # ---- the link to the core ------------------------------------------------------------------
 
@@ -221,16 +212,18 @@ class ApiServer:
         self.core_connected = True
         log.info("connected to the scheduler core at %s", self.core_address)
         while True:
-            msg = core_pb2.CoreOutput.FromString(await self._session.read())
+            msg = CoreOutputs.from_bytes(await self._session.read())
             if msg.has_worker_state:
                 await self._worker_state(msg)
             self.dispatch(msg)
-            if msg.rids or msg.finished_rids:
+            if msg.has_tokens:
                 self._num_outputs_dispatched += 1
                 if not self._num_undelivered:
                     self.delivered()
 
-    async def _worker_state(self, msg: core_pb2.CoreOutput) -> None:
+    async def _worker_state(self, msg: CoreOutputs) -> None:
+        if msg.api_server_id:  # the session's first message: this server's ids from now on
+            self._request_ids = itertools.count(first_request_id(msg.api_server_id))
         self.worker_connected = msg.worker_connected
         if msg.worker_connected and (self.model is None or msg.worker_generation != self.worker_generation):
             info = await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=10)
@@ -247,6 +240,7 @@ class ApiServer:
                     # start its helper process now, not at the first big prompt
                     await asyncio.get_running_loop().run_in_executor(None, offloaded.warm_up)
                 self.model = ServedModel(info, tokenizer, offloaded)
+            self.output.tokenizer = self.model.tokenizer
             if self.metrics is not None:
                 self.metrics.set_model_name(info.model_name)
             self.worker_generation = msg.worker_generation
@@ -284,65 +278,37 @@ class ApiServer:
         self.core_connected = False
         self.worker_connected = False
         self._set_connected(False)
-        self._out = core_pb2.CoreRequests()
-        self._aborts, self._stops, self._num_rejected = [], [], 0
+        self._out = CoreRequests()
         pending, self.pending = self.pending, {}
+        self.output.streams.clear()
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
         for p in pending.values():
             p.outbox.put_nowait(failure)
 
-    def dispatch(self, msg: core_pb2.CoreOutput) -> None:
+    def dispatch(self, msg: CoreOutputs) -> None:
         """Apply one step's outputs from the core to this server's streams."""
         pending = self.pending
         for err in msg.errors:
-            p = pending.pop(err.rid, None)
+            p = pending.pop(err.request_id, None)
             if p is not None:
                 p.outbox.put_nowait(Failure(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message))
-                for index in range(1, p.stream.n):  # a refused request's other samples never ran
-                    pending.pop(err.rid + index, None)
-        if msg.started_rids:
-            cached = np.frombuffer(msg.num_cached_prompt_tokens, dtype=_I32).tolist()
-            for rid, n in zip(np.frombuffer(msg.started_rids, dtype=_I64).tolist(), cached):
-                p = pending.get(rid)
-                if p is not None:
-                    p.stream.num_cached_prompt_tokens = n
-                    if p.request is not None:
-                        p.request.started()
-        touched: dict[int, _Pending] = {}
-        if msg.rids:
-            rids = np.frombuffer(msg.rids, dtype=_I64).tolist()
-            tokens = np.frombuffer(msg.token_ids, dtype=_I32).tolist()
-            logprobs = np.frombuffer(msg.logprobs, dtype=_F32).tolist() if msg.logprobs else None
-            k = msg.num_top_logprobs
-            if k:
-                top_ids = np.frombuffer(msg.top_token_ids, dtype=_I32).reshape(-1, k).tolist()
-                top_lps = np.frombuffer(msg.top_logprobs, dtype=_F32).reshape(-1, k).tolist()
-            for i, rid in enumerate(rids):
-                p = pending.get(rid)
-                if p is None:
-                    continue  # ended here already (stop string, client gone): never streamed or counted
-                top = None
-                if k and p.stream.want_top_logprobs:
-                    n = p.stream.want_top_logprobs
-                    top = (top_ids[i][:n], top_lps[i][:n])
-                if p.stream.add_token(tokens[i], logprobs[i] if logprobs is not None else None, top):
-                    self._stops.append(rid)
-                touched[rid] = p
-        if msg.finished_rids:
-            reasons = np.frombuffer(msg.finish_reasons, dtype=_I32).tolist()
-            for rid, code in zip(np.frombuffer(msg.finished_rids, dtype=_I64).tolist(), reasons):
-                p = pending.get(rid)
-                if p is not None:
-                    p.stream.finish(_REASONS[code])
-                    touched[rid] = p
-        for rid, p in touched.items():
-            stream = p.stream
-            if stream.ready():
-                p.outbox.put_nowait(stream.take())
-                if stream.finished:
-                    del pending[rid]
-        if self._stops:
+                self.output.remove(err.request_id)
+                for index in range(1, p.n):  # a refused request's other samples never ran
+                    pending.pop(err.request_id + index, None)
+                    self.output.remove(err.request_id + index)
+        for request_id in msg.started_ids:
+            p = pending.get(request_id)
+            if p is not None and p.request is not None:
+                p.request.started()
+        ready, stopped = self.output.apply(msg)
+        for request_id, delta in ready:
+            p = pending[request_id]
+            p.outbox.put_nowait(delta)
+            if delta.finished:
+                del pending[request_id]
+        if stopped:
+            self._out.stop_ids.extend(stopped)
             self._flush_wanted.set()
 
 

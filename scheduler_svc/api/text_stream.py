@@ -1,8 +1,8 @@
 """From sampled tokens to what a client sees: incremental text, stop strings, stream interval.
 
-One ``TextStream`` per request, fed the request's tokens as they come from the engine core (in
-an API server, from the core's per-step messages; in ``pagewire.LLM``, from the engine in the
-same process). It detokenizes incrementally, finds stop strings (the caller then ends the request
+One ``TextStream`` per request (per sample when n > 1), fed the request's tokens as they come from
+the engine core, as ``CoreOutputs`` (an API server receives them from the core process;
+``pagewire.LLM`` builds them from the engine in the same process, with the same ``deliver``). It detokenizes incrementally, finds stop strings (the caller then ends the request
 in the core: a token computed past a stop is never streamed or counted), and applies
 ``stream_interval``: after the first token, a delta goes out once that many tokens are ready or
 the request ends. Requests with stop strings are detokenized token by token, so a stop is found
@@ -11,6 +11,7 @@ at once; the others only when a delta goes out.
 
 from __future__ import annotations
 
+from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import FinishReason, RequestOutput, Usage
 from pagewire_common.sampling import SamplingParams
 from scheduler_svc.api.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -111,44 +112,66 @@ class TextStream:
 
 
 class OutputProcessor:
-    """The ``TextStream`` of every request in flight, fed the engine's token deltas."""
+    """The ``TextStream`` of every request (sample) in flight, by request id, fed the core's
+    ``CoreOutputs``: the API servers and the offline ``LLM`` turn tokens into deltas here."""
 
     def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1):
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
-        self.streams: dict[str, TextStream] = {}
+        self.streams: dict[int, TextStream] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> TextStream:
-        stream = TextStream(request_id, prompt_token_ids, sampling, self.tokenizer, self.stream_interval)
-        self.streams[request_id] = stream
-        return stream
+    def add(self, request_id: int, name: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[TextStream]:
+        """Streams for a request and its samples (ids ``request_id`` .. ``request_id + n - 1``);
+        ``name`` is the request id its caller shows the client."""
+        streams = []
+        for index in range(sampling.n):
+            stream = TextStream(name, prompt_token_ids, sampling, self.tokenizer, self.stream_interval, index)
+            self.streams[request_id + index] = stream
+            streams.append(stream)
+        return streams
 
-    def remove(self, request_id: str) -> None:
+    def remove(self, request_id: int) -> None:
         self.streams.pop(request_id, None)
 
-    def process(self, deltas: list[RequestOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply the engine's token deltas (``EngineCore.outputs``). Returns the text deltas due
-        now and the ids of the requests that hit a stop string (end them in the engine)."""
-        touched: dict[str, TextStream] = {}
-        stopped: list[str] = []
+    def apply(self, outputs: CoreOutputs) -> tuple[list[tuple[int, RequestOutput]], list[int]]:
+        """Apply one step's tokens from the core. Returns the deltas due now, by request id (a
+        finished stream is removed), and the ids of the requests that hit a stop string (end them
+        in the core). Tokens of a request no longer here (ended by a stop string, or its client
+        left) are never streamed or counted."""
         streams = self.streams
-        for d in deltas:
-            stream = streams.get(d.request_id)
-            if stream is None:
-                continue
-            if d.num_cached_prompt_tokens is not None:
-                stream.num_cached_prompt_tokens = d.num_cached_prompt_tokens
-            for i, token in enumerate(d.token_ids):
-                if stream.add_token(token, d.logprobs[i] if d.logprobs else None,
-                                    d.top_logprobs[i] if d.top_logprobs else None):
-                    stopped.append(d.request_id)
-            if d.finish_reason is not None:
-                stream.finish(d.finish_reason)
-            touched[d.request_id] = stream
-        outputs = []
-        for rid, stream in touched.items():
+        for request_id, cached in zip(outputs.started_ids, outputs.num_cached_prompt_tokens):
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.num_cached_prompt_tokens = cached
+        touched: dict[int, TextStream] = {}
+        stopped: list[int] = []
+        if len(outputs.request_ids):
+            ids = outputs.request_ids.tolist()
+            tokens = outputs.token_ids.tolist()
+            logprobs = outputs.logprobs.tolist() if outputs.logprobs is not None else None
+            top_ids = top_lps = None
+            if outputs.top_token_ids is not None:
+                top_ids, top_lps = outputs.top_token_ids.tolist(), outputs.top_logprobs.tolist()
+            for i, request_id in enumerate(ids):
+                stream = streams.get(request_id)
+                if stream is None:
+                    continue
+                top = None
+                if top_ids is not None and stream.want_top_logprobs:
+                    k = stream.want_top_logprobs
+                    top = (top_ids[i][:k], top_lps[i][:k])
+                if stream.add_token(tokens[i], logprobs[i] if logprobs is not None else None, top):
+                    stopped.append(request_id)
+                touched[request_id] = stream
+        for request_id, reason in zip(outputs.finished_ids, outputs.finish_reasons):
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.finish(reason)
+                touched[request_id] = stream
+        ready = []
+        for request_id, stream in touched.items():
             if stream.ready():
-                outputs.append(stream.take())
+                ready.append((request_id, stream.take()))
                 if stream.finished:
-                    del streams[rid]
-        return outputs, stopped
+                    del streams[request_id]
+        return ready, stopped

@@ -15,7 +15,7 @@ Invariants:
 - ``known[slot] == len(seqs[slot].token_ids)`` and ``token_lists[slot] is seqs[slot].token_ids``;
 - ``limit[slot] == allocator.growth_limit(seq_id)``: a decode whose new token fits under it needs
   no block; the scheduler refreshes it after each ``append_slots`` of that sequence;
-- ``max_tokens``, ``num_prompt``, ``route_*`` and ``slow_update`` do not change while running;
+- ``max_tokens``, ``num_prompt`` and ``slow_update`` do not change while running;
 - a slot freed by ``remove`` is reused only after the next ``order()``, so a slot never appears
   twice in one step's arrays.
 """
@@ -29,7 +29,7 @@ import numpy as np
 from scheduler_svc.core.sequence import Sequence
 
 _INT_FIELDS = ("seq_id", "computed", "pending", "known", "slot_tokens", "hashed", "limit", "max_tokens",
-               "num_prompt", "route_client", "route_rid")
+               "num_prompt")
 # the counters a Sequence keeps in its slot while it runs: its own attribute -> the array here
 COUNTERS = {"_num_computed_tokens": "computed", "_num_pending_tokens": "pending",
             "_num_slot_tokens": "slot_tokens", "_num_hashed_blocks": "hashed"}
@@ -83,7 +83,7 @@ class RunningBatch:
 
     # ---- membership ---------------------------------------------------------------------
 
-    def add(self, seq: Sequence, growth_limit: int, route: tuple[int, int]) -> None:
+    def add(self, seq: Sequence, growth_limit: int) -> None:
         """Give a sequence that starts running a slot (at the end of the running order); its
         counters move here."""
         if not self._free:
@@ -96,7 +96,6 @@ class RunningBatch:
         self.limit_view[slot] = growth_limit
         self.max_tokens_view[slot] = seq.max_num_tokens
         self.num_prompt_view[slot] = seq.num_prompt_tokens
-        self.route_client_view[slot], self.route_rid_view[slot] = route
         self.slow_update[slot] = bool(seq.sampling.logprobs or seq.sampling.top_logprobs)
         self.alive[slot] = True
         self.seqs[slot] = seq
@@ -164,14 +163,16 @@ class RunningBatch:
 @dataclass(slots=True)
 class StepTokens:
     """The sequences that received a token in one step (one each): the plain decodes as arrays
-    (``rows``: their rows in the step's result; ``slots`` in ``batch``; the tokens), which did not
-    finish and asked for no logprobs, and the others as objects with their result rows (finished
-    ones included, with ``finish_reason`` set). The slots are valid until the batch changes (the
-    next ``finish`` or ``schedule``)."""
+    (``seq_ids`` and ``token_ids``; ``rows``: their rows in the step's result; ``slots`` in
+    ``batch``), which did not finish, asked for no logprobs and got a token that is not their
+    first, and the others as objects with their result rows (finished ones included, with
+    ``finish_reason`` set). The slots are valid until the batch changes (the next ``finish`` or
+    ``schedule``)."""
 
     batch: RunningBatch
     rows: np.ndarray
     slots: np.ndarray
+    seq_ids: np.ndarray
     token_ids: np.ndarray
     other_rows: list[int]
     others: list[Sequence]

@@ -222,7 +222,7 @@ class Scheduler(RunningStep):
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self.batch.add(seq, self.allocator.growth_limit(seq.seq_id), seq.route)
+        self.batch.add(seq, self.allocator.growth_limit(seq.seq_id))
 
     def _schedule_one(self, seq: Sequence, budget: int) -> tuple[int, AppendResult] | None:
         """A running sequence's slice of ``budget`` (> 0), blocks included: (tokens, growth), or
@@ -370,7 +370,10 @@ class Scheduler(RunningStep):
             token_ids = np.asarray(token_id_list, dtype=np.int64)
             slots = batch.slots_of(seq_ids)
             at = np.maximum(slots, 0)
-            plain = (slots >= 0) & (batch.pending[at] > 0) & (batch.known[at] + 1 < batch.max_tokens[at])
+            known = batch.known[at]
+            # a first output token goes one by one: its delivery says how much of the prompt was cached
+            plain = (slots >= 0) & (batch.pending[at] > 0) & (known + 1 < batch.max_tokens[at])
+            plain &= known > batch.num_prompt[at]
             plain &= ~batch.slow_update[at]
             stop_ids = self._stop_id_array  # sorted; searchsorted is cheaper than np.isin
             if len(stop_ids):
@@ -424,7 +427,7 @@ class Scheduler(RunningStep):
                 self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos), a stop token id, a grammar's end
             elif len(tokens) >= seq.max_num_tokens:
                 self.finish(seq, FinishReason.LENGTH)  # max_tokens or the model length
-        return StepTokens(batch, plain_rows, plain_slots, plain_tokens, touched_rows, touched)
+        return StepTokens(batch, plain_rows, plain_slots, batch.seq_id[plain_slots], plain_tokens, touched_rows, touched)
 
     # ---- internals ----------------------------------------------------------------------
 

@@ -50,7 +50,6 @@ class Sequence:
     """
 
     seq_id: int
-    request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     token_ids: list[int] = field(default_factory=list)
@@ -73,9 +72,6 @@ class Sequence:
     _num_pending_tokens: int = field(default=0, repr=False)
     _num_slot_tokens: int = field(default=0, repr=False)
     _num_hashed_blocks: int = field(default=0, repr=False)
-    # where the driver sends this sequence's tokens ((API server, request) in the core); carried
-    # into the RunningBatch so that a step's tokens are grouped by it without a loop over objects
-    route: tuple[int, int] = (-1, 0)
     # set by Scheduler.add, so the per-token stop check is one set lookup and one
     # comparison: token ids that end the sequence (EOS unless ignore_eos, and stop_token_ids)...
     stop_token_set: frozenset[int] = frozenset()

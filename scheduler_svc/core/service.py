@@ -4,7 +4,7 @@ API servers talk to.
 Everything runs on one asyncio event loop in one thread. Each API server holds one ``Connect``
 session; on its frame link (``pagewire_common.framelink``) its requests (token ids + sampling,
 already validated), aborts and stops come in, and after each step the core sends it one
-``CoreOutput`` with that server's new tokens as packed arrays, so the core's cost grows with
+``CoreOutputs`` with that server's new tokens as arrays (``pagewire_common.core_messages``), so the core's cost grows with
 steps and tokens, not with streamed messages. There is no tokenizer on this path. When the
 worker is lost, every request in flight fails with UNAVAILABLE, block accounting starts over,
 and the task reconnects. When an API server's session ends (the process died, stopped, or stopped
@@ -18,17 +18,17 @@ import itertools
 import logging
 
 import grpc
-import numpy as np
 
 from pagewire_common import wire
 from pagewire_common.addresses import peer_name
+from pagewire_common.core_messages import BadRequest, CoreOutputs, CoreRequests, NewRequest, api_server_of
 from pagewire_common.framelink import FrameListener, LinkClosed
 from pagewire_common.requests import FinishReason
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.delivery import ApiClient, _Owner, deliver
+from scheduler_svc.core.delivery import ApiClient, deliver
 from scheduler_svc.core.engine import EngineCore, WorkerInfo
 from scheduler_svc.core.running_batch import StepTokens
 from scheduler_svc.core.worker_client import WorkerLink, WorkerLinkError
@@ -39,8 +39,6 @@ log = logging.getLogger("pagewire.scheduler")
 QUIET_TURNS = 6
 # the longest the core waits for one API server to hand on a step's tokens (backpressure)
 BACKPRESSURE_TIMEOUT_S = 1.0
-_I32 = np.dtype("<i4")
-_I64 = np.dtype("<i8")
 
 
 class CoreService(core_pb2_grpc.SchedulerCoreServicer):
@@ -50,8 +48,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self._link_factory = link_factory  # address -> a WorkerLink (tests pass an in-process one)
         self._on_health = on_health or (lambda serving: None)
         self._link: WorkerLink | None = None
-        self._owners: dict[str, _Owner] = {}  # core request key -> (API server, its rid)
-        self._clients: dict[int, ApiClient] = {}
+        self._clients: dict[int, ApiClient] = {}  # API-server id -> its session
         self._client_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._caught_up = asyncio.Event()  # an API server handed on a step's outputs
@@ -95,7 +92,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._owners)
+        return sum(len(client.request_ids) for client in self._clients.values())
 
     @property
     def num_ready_clients(self) -> int:
@@ -111,11 +108,11 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
 
     async def Connect(self, request, context):
         conn = await self.frames.open_session(request, context)
-        client = self.open_client(context.peer(), send=lambda msg: conn.write(msg.SerializeToString()))
+        client = self.open_client(context.peer(), send=lambda out: conn.write(out.to_bytes()))
         try:
-            conn.write(self.worker_state_message().SerializeToString())
+            conn.write(self.worker_state_message(client).to_bytes())
             while (data := await conn.read()) is not None:
-                self.apply(client, core_pb2.CoreRequests.FromString(data))
+                self.apply(client, CoreRequests.from_bytes(data))
         except LinkClosed:
             pass
         finally:
@@ -143,9 +140,9 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         msg.frame_link.CopyFrom(self.frames.describe())
         return msg
 
-    def worker_state_message(self) -> core_pb2.CoreOutput:
-        return core_pb2.CoreOutput(has_worker_state=True, worker_connected=self.connected.is_set(),
-                                   worker_generation=self.worker_generation)
+    def worker_state_message(self, client: ApiClient) -> CoreOutputs:
+        return CoreOutputs(has_worker_state=True, worker_connected=self.connected.is_set(),
+                           worker_generation=self.worker_generation, api_server_id=client.api_server_id)
 
     def stats(self) -> dict:
         engine = self.engine
@@ -170,31 +167,31 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
     # ---- requests from API servers -------------------------------------------------------------
 
     def open_client(self, peer: str = "", send=None) -> ApiClient:
-        """A new API server; ``send`` takes each of its ``CoreOutput`` messages (by default they
-        go on ``client.outbox``, for a consumer in this process)."""
+        """A new API server; ``send`` takes each of its ``CoreOutputs`` (by default they go on
+        ``client.outbox``, for a consumer in this process). Its id, in the first message, is the
+        high half of its request ids."""
         client = ApiClient(next(self._client_ids), peer, send)
-        self._clients[client.client_id] = client
-        log.info("API server %d connected (%s)", client.client_id, peer_name(peer))
+        self._clients[client.api_server_id] = client
+        log.info("API server %d connected (%s)", client.api_server_id, peer_name(peer))
         return client
 
     def close_client(self, client: ApiClient) -> None:
         """The API server is gone: abort its requests (blocks freed now, dropped by the worker in
         the next plan)."""
-        if self._clients.pop(client.client_id, None) is None:
+        if self._clients.pop(client.api_server_id, None) is None:
             return
         self._caught_up.set()  # nobody waits for a server that is gone
         engine = self.engine
-        for key in client.rids.values():
-            self._owners.pop(key, None)
-            if engine is not None:
-                engine.abort(key)
-        if client.rids:
-            log.warning("API server %d left with %d requests in flight; aborted them", client.client_id,
-                        len(client.rids))
-        client.rids.clear()
+        if engine is not None:
+            for request_id in client.request_ids:
+                engine.abort(request_id)
+        if client.request_ids:
+            log.warning("API server %d left with %d requests in flight; aborted them", client.api_server_id,
+                        len(client.request_ids))
+        client.request_ids.clear()
         self._wake.set()
 
-    def apply(self, client: ApiClient, msg: core_pb2.CoreRequests) -> None:
+    def apply(self, client: ApiClient, msg: CoreRequests) -> None:
         """Add, abort and stop requests of ``client`` (errors go back in its session now)."""
         if msg.num_rejected:
             self.num_rejected += msg.num_rejected
@@ -209,56 +206,55 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         for add in msg.adds:
             self._add(client, add)
         engine = self.engine
-        for rids, end in ((msg.abort_rids, "abort"), (msg.stop_rids, "stop")):
-            if not rids:
-                continue
-            for rid in np.frombuffer(rids, dtype=_I64).tolist():
-                key = client.rids.pop(rid, None)
-                if key is None:
-                    continue
-                del self._owners[key]
+        for request_id in msg.abort_ids:
+            if request_id in client.request_ids:
+                client.request_ids.discard(request_id)
                 if engine is not None:
-                    if end == "abort":
-                        engine.abort(key)
-                    else:
-                        engine.finish(key, FinishReason.STOP)
-        if client.errors:
+                    engine.abort(request_id)
+        for request_id in msg.stop_ids:
+            if request_id in client.request_ids:
+                client.request_ids.discard(request_id)
+                if engine is not None:
+                    engine.finish(request_id, FinishReason.STOP)
+        if client.outputs.errors:
             client.flush()
         self._wake.set()
 
-    def _add(self, client: ApiClient, add: core_pb2.CoreAdd) -> None:
+    def _add(self, client: ApiClient, add: NewRequest | BadRequest) -> None:
         engine = self.engine
-        rid = add.rid
+        request_id = add.request_id
+        if isinstance(add, BadRequest):
+            self.num_rejected += 1
+            client.error(request_id, grpc.StatusCode.INVALID_ARGUMENT, add.message)
+            return
         if engine is None or not self.connected.is_set():
             self.num_rejected += 1
-            client.error(rid, grpc.StatusCode.UNAVAILABLE, "the worker is not connected")
+            client.error(request_id, grpc.StatusCode.UNAVAILABLE, "the worker is not connected")
             return
-        if rid in client.rids:
+        n = add.sampling.n
+        if api_server_of(request_id) != client.api_server_id or api_server_of(request_id + n - 1) != client.api_server_id:
             self.num_rejected += 1
-            client.error(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already in flight")
+            client.error(request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request id {request_id} does not belong to API server {client.api_server_id}")
             return
-        key = f"{client.client_id}:{rid}"
+        if any(i in client.request_ids for i in range(request_id, request_id + n)):
+            self.num_rejected += 1
+            client.error(request_id, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already in flight")
+            return
         try:
-            sampling = wire.sampling_from_pb(add.sampling)
-            token_ids = engine.validate(np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling,
-                                        strict_length=True)
+            token_ids = engine.validate(add.prompt_token_ids, add.sampling, strict_length=True)
         except ValueError as e:
             self.num_rejected += 1
-            client.error(rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            client.error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
         limit = self.settings.max_queued_requests
         if engine.scheduler.num_waiting >= limit:
             self.num_rejected += 1
-            client.error(rid, grpc.StatusCode.RESOURCE_EXHAUSTED,
+            client.error(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"the queue is full ({limit} requests waiting); retry later")
             return
-        seq = engine.add_request(key, token_ids, sampling, validated=True)
-        # sample i of n is rid + i (the API server reserved them)
-        for sample in (seq, *seq.unforked_samples):
-            sample_rid = rid + sample.sample_index
-            sample.route = (client.client_id, sample_rid)
-            client.rids[sample_rid] = sample.request_id
-            self._owners[sample.request_id] = _Owner(client, sample_rid, len(token_ids) + 1)
+        engine.add_request(request_id, token_ids, add.sampling, validated=True)
+        client.request_ids.update(range(request_id, request_id + n))
         self.num_submitted += 1
 
     # ---- the engine task -----------------------------------------------------------------------
@@ -362,7 +358,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                     if client.is_behind:
                         client.unresponsive = True
                         log.warning("API server %d is %d messages behind; not waiting for it until it catches up",
-                                    client.client_id, client.num_outputs_sent - client.num_outputs_done)
+                                    client.api_server_id, client.num_outputs_sent - client.num_outputs_done)
 
     async def _admit_arrivals(self) -> None:
         """After a step, give the event loop turns while new requests keep arriving.
@@ -390,12 +386,12 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                     return
 
     def _deliver(self, step: StepTokens) -> None:
-        deliver(step, self._owners, self._clients)
+        deliver(step, self._clients)
 
     def _broadcast_worker_state(self) -> None:
         for client in self._clients.values():
             try:
-                client.send(self.worker_state_message())
+                client.send(self.worker_state_message(client))
             except LinkClosed:
                 pass
 
@@ -407,10 +403,10 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         if self.engine is not None:
             self.engine.reset()
         text = f"worker unavailable: {message}"
-        for owner in self._owners.values():
-            owner.client.error(owner.rid, grpc.StatusCode.UNAVAILABLE, text)
-            owner.client.rids.pop(owner.rid, None)
-        self._owners.clear()
+        for client in self._clients.values():
+            for request_id in sorted(client.request_ids):
+                client.error(request_id, grpc.StatusCode.UNAVAILABLE, text)
+            client.request_ids.clear()
         for client in self._clients.values():
             if client.has_output:
                 client.flush()

@@ -1,0 +1,193 @@
+"""The messages between an API server and the scheduler core, and the one place that packs them.
+
+An API server sends ``CoreRequests`` (new requests, aborts, stops, its progress); after each step
+the core sends each API server one ``CoreOutputs`` with that server's new tokens as arrays, so the
+core's cost grows with steps, not with streamed messages. Both travel on the ``Connect`` session's
+frame link as the ``core.proto`` messages; ``to_bytes``/``from_bytes`` here are the only code that
+converts, and bulk integer arrays cross as little-endian bytes that numpy reads without a loop.
+
+A request has one id from end to end (``request_id``, an int): the API server picks it (its
+``api_server_id`` in the high 32 bits, a counter in the low 32), the core uses it as the
+sequence id in its plans, the worker keys its state by it, and the core's outputs carry it back.
+Sample ``i`` of a request with ``n > 1`` is ``request_id + i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagewire_common import wire
+from pagewire_common.requests import FinishReason
+from pagewire_common.sampling import SamplingParams
+from pagewire_common.v1 import core_pb2
+from pagewire_common.v1 import generation_pb2 as pb
+
+_I32 = np.dtype("<i4")
+_I64 = np.dtype("<i8")
+_F32 = np.dtype("<f4")
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+FINISH_CODES = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
+FINISH_REASONS = {code: reason for reason, code in FINISH_CODES.items()}
+API_SERVER_ID_SHIFT = 32
+
+
+def first_request_id(api_server_id: int) -> int:
+    """The first request id of an API server (its counter starts at 1)."""
+    return (api_server_id << API_SERVER_ID_SHIFT) + 1
+
+
+def api_server_of(request_ids: np.ndarray) -> np.ndarray:
+    """The API server id of each request id."""
+    return request_ids >> API_SERVER_ID_SHIFT
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request an API server hands to the core, already validated and tokenized there."""
+
+    request_id: int  # its one id (module docstring); samples of n > 1 take the next n - 1 ids
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(slots=True)
+class CoreRequests:
+    """What an API server queued for the core during one turn of its event loop."""
+
+    adds: list[NewRequest] = field(default_factory=list)
+    abort_ids: list[int] = field(default_factory=list)  # the client went away: counted as aborted
+    stop_ids: list[int] = field(default_factory=list)  # a stop string ended it: counted as finished
+    num_rejected: int = 0  # requests this server refused since its last message (the core's Stats)
+    ready: bool = False  # the server knows the model and serves clients (once per session)
+    # CoreOutputs with tokens this server has handed to its streams so far (backpressure: the core
+    # runs at most one step ahead of the slowest API server)
+    num_outputs_done: int = 0
+
+    def to_bytes(self) -> bytes:
+        msg = core_pb2.CoreRequests(num_rejected=self.num_rejected, ready=self.ready,
+                                    num_outputs_done=self.num_outputs_done)
+        for add in self.adds:
+            msg.adds.append(core_pb2.CoreAdd(request_id=add.request_id,
+                                             prompt_token_ids=np.asarray(add.prompt_token_ids, dtype=_I32).tobytes(),
+                                             sampling=wire.sampling_to_pb(add.sampling)))
+        if self.abort_ids:
+            msg.abort_ids = np.asarray(self.abort_ids, dtype=_I64).tobytes()
+        if self.stop_ids:
+            msg.stop_ids = np.asarray(self.stop_ids, dtype=_I64).tobytes()
+        return msg.SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "CoreRequests":
+        """Raises ``ValueError`` for an add whose sampling parameters cannot be read; the core
+        refuses such a request on its own (``adds`` then holds ``ValueError`` in its place)."""
+        msg = core_pb2.CoreRequests.FromString(data)
+        adds = []
+        for add in msg.adds:
+            try:
+                sampling = wire.sampling_from_pb(add.sampling)
+            except ValueError as e:
+                adds.append(BadRequest(add.request_id, str(e)))
+                continue
+            adds.append(NewRequest(add.request_id, np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling))
+        return cls(adds, _ids(msg.abort_ids), _ids(msg.stop_ids), msg.num_rejected, msg.ready, msg.num_outputs_done)
+
+
+@dataclass(slots=True)
+class BadRequest:
+    """An add whose sampling parameters did not decode: the core refuses it (INVALID_ARGUMENT)."""
+
+    request_id: int
+    message: str
+
+
+@dataclass(slots=True)
+class CoreError:
+    """A request the core refused or lost."""
+
+    request_id: int
+    code: int  # a grpc.StatusCode value: RESOURCE_EXHAUSTED, INVALID_ARGUMENT, UNAVAILABLE, ...
+    message: str
+
+
+@dataclass(slots=True)
+class CoreOutputs:
+    """What one step produced for one API server (or, with worker state, the link's news)."""
+
+    # one token each, in order; a request may appear several times
+    request_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I64)  # int64
+    token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32
+    # aligned with token_ids, NaN where not asked; None when no request of the step asked
+    logprobs: np.ndarray | None = None  # float32
+    # [entries, k] most likely tokens (ids, logprobs), best first, when some request asked;
+    # a request that asked for fewer takes the first ones, rows of others hold NaN logprobs
+    top_token_ids: np.ndarray | None = None  # int32
+    top_logprobs: np.ndarray | None = None  # float32
+    # requests that ended in the core (after their tokens above), and why
+    finished_ids: list[int] = field(default_factory=list)
+    finish_reasons: list[FinishReason] = field(default_factory=list)
+    # requests whose first token is above, with their prompt tokens served from the prefix cache
+    started_ids: list[int] = field(default_factory=list)
+    num_cached_prompt_tokens: list[int] = field(default_factory=list)
+    errors: list[CoreError] = field(default_factory=list)
+    # the worker link's state: in the session's first message and whenever it changes
+    has_worker_state: bool = False
+    worker_connected: bool = False
+    worker_generation: int = 0  # changes whenever the core connects to a (new) worker
+    api_server_id: int = 0  # in the session's first message: the high bits of this server's ids
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether this message counts for backpressure (``num_outputs_done``)."""
+        return bool(len(self.request_ids) or self.finished_ids)
+
+    def to_bytes(self) -> bytes:
+        msg = core_pb2.CoreOutput(has_worker_state=self.has_worker_state, worker_connected=self.worker_connected,
+                                  worker_generation=self.worker_generation, api_server_id=self.api_server_id)
+        for err in self.errors:
+            msg.errors.append(core_pb2.CoreError(request_id=err.request_id, code=err.code, message=err.message))
+        if len(self.request_ids):
+            msg.request_ids = np.asarray(self.request_ids, dtype=_I64).tobytes()
+            msg.token_ids = np.asarray(self.token_ids, dtype=_I32).tobytes()
+            if self.logprobs is not None:
+                msg.logprobs = np.asarray(self.logprobs, dtype=_F32).tobytes()
+            if self.top_token_ids is not None:
+                msg.num_top_logprobs = self.top_token_ids.shape[1]
+                msg.top_token_ids = np.asarray(self.top_token_ids, dtype=_I32).tobytes()
+                msg.top_logprobs = np.asarray(self.top_logprobs, dtype=_F32).tobytes()
+        if self.finished_ids:
+            msg.finished_ids = np.asarray(self.finished_ids, dtype=_I64).tobytes()
+            msg.finish_reasons = np.asarray([FINISH_CODES[r] for r in self.finish_reasons], dtype=_I32).tobytes()
+        if self.started_ids:
+            msg.started_ids = np.asarray(self.started_ids, dtype=_I64).tobytes()
+            msg.num_cached_prompt_tokens = np.asarray(self.num_cached_prompt_tokens, dtype=_I32).tobytes()
+        return msg.SerializeToString()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "CoreOutputs":
+        msg = core_pb2.CoreOutput.FromString(data)
+        out = cls(errors=[CoreError(e.request_id, e.code, e.message) for e in msg.errors],
+                  has_worker_state=msg.has_worker_state, worker_connected=msg.worker_connected,
+                  worker_generation=msg.worker_generation, api_server_id=msg.api_server_id)
+        if msg.request_ids:
+            out.request_ids = np.frombuffer(msg.request_ids, dtype=_I64)
+            out.token_ids = np.frombuffer(msg.token_ids, dtype=_I32)
+            if msg.logprobs:
+                out.logprobs = np.frombuffer(msg.logprobs, dtype=_F32)
+            k = msg.num_top_logprobs
+            if k:
+                out.top_token_ids = np.frombuffer(msg.top_token_ids, dtype=_I32).reshape(-1, k)
+                out.top_logprobs = np.frombuffer(msg.top_logprobs, dtype=_F32).reshape(-1, k)
+        if msg.finished_ids:
+            out.finished_ids = _ids(msg.finished_ids)
+            out.finish_reasons = [FINISH_REASONS[c] for c in np.frombuffer(msg.finish_reasons, dtype=_I32).tolist()]
+        if msg.started_ids:
+            out.started_ids = _ids(msg.started_ids)
+            out.num_cached_prompt_tokens = np.frombuffer(msg.num_cached_prompt_tokens, dtype=_I32).tolist()
+        return out
+
+
+def _ids(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype=_I64).tolist() if data else []
