@@ -100,7 +100,8 @@ def test_follows_chunked_prefill_decode_rollover_and_finish(runner):
     runner.reset()
     assert runner.num_seqs == 0
     # ...with it (appended at index 2) the sequence goes on; a second sequence joins the step
-    runner.execute(StepPlan(1, new_seqs=[new_seq(1, prompt + [cycle_token(runner, 6), cycle_token(runner, 7)], [0, 1], 8)]))
+    sampled = [cycle_token(runner, 6), cycle_token(runner, 7)]
+    runner.execute(StepPlan(1, new_seqs=[new_seq(1, prompt + sampled, [0, 1], 8)]))
     r = runner.execute(StepPlan(
         2,
         new_seqs=[new_seq(2, [11, 12, 13], [3], 3)],
