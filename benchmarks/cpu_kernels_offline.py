@@ -4,12 +4,12 @@ process of its own. Feeds docs/benchmarks.md, section "The CPU linears".
     python benchmarks/cpu_kernels_offline.py [--rounds 2] [--num-prompts 32] [--max-tokens 64] [--dtype bfloat16]
 
   onednn   linears prepacked for oneDNN, norms, SiLU and rotary as torch operators
-  linears  linears on the C kernel (csrc/cpu_linear.c: fp32 panels, or for --dtype bfloat16 its
+  linears  linears on the C kernel (worker_svc/cpu/csrc/linear.c: fp32 panels, or for --dtype bfloat16 its
            bf16 pairs, on AMX tiles or AVX-512 BF16 dot products), the rest as torch operators
   all      the worker's own choice on this CPU: on AVX2, the C linears and the fused C steps
 
 A configuration is chosen by replacing the worker's decisions in the child process
-(``layers.cpu_linear.kernel_beats_onednn`` and ``pair_instructions``, and the runner's
+(``worker_svc.cpu.linear.kernel_beats_onednn`` and ``pair_instructions``, and the runner's
 ``use_fused_cpu_kernels``). Each child runs ``LLM.generate`` in --dtype (float32 by default; a
 bfloat16 model computes in bf16 only on a CPU with native bf16) on --num-prompts 16-token prompts,
 greedy, EOS ignored, after a warm-up, and prints the best completion tok/s of --repeats runs.
@@ -27,7 +27,7 @@ CONFIGS = ("onednn", "linears", "all")
 
 def child(config: str, num_prompts: int, max_tokens: int, repeats: int, dtype: str) -> None:
     from worker_svc import runner
-    from worker_svc.layers import cpu_linear
+    from worker_svc.cpu import linear as cpu_linear
 
     if config == "onednn":
         cpu_linear.kernel_beats_onednn = lambda cpu: False

@@ -1,5 +1,5 @@
 """SmolLM2-135M's linears on CPU, by weight layout: fp32 weights packed for oneDNN, fp32 and bf16
-weights in our C kernel's panels (worker_svc/layers/cpu_linear.py), and, per layer, torch's bf16
+weights in our C kernel's panels (worker_svc/cpu/linear.py), and, per layer, torch's bf16
 ``F.linear`` and bf16 weights widened to fp32 on every call (the reference). On a CPU with AVX-512
 BF16, the model pass also times oneDNN's bf16 linear and the kernel's bf16 pairs (bf16 x and y) on
 vector dot products, and on a CPU with AMX the same pairs on AMX tiles. Feeds docs/benchmarks.md, section "The CPU linears".
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from pagewire.bench.timing import best_us
 from worker_svc.cpu.features import cpu_info
-from worker_svc.layers.cpu_linear import kernel, linear_ref
+from worker_svc.cpu.linear import kernel, linear_ref
 
 NUM_LAYERS = 30
 # name -> (out_features, in_features); q/k/v and gate/up fused, the head tied to the embedding

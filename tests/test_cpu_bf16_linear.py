@@ -1,4 +1,4 @@
-"""A bf16 model on a CPU without native bf16 (worker_svc/layers/cpu_bf16_linear.py): the whole model
+"""A bf16 model on a CPU without native bf16 (worker_svc/cpu/bf16_linear.py): the whole model
 against an fp32 run of the same bf16-rounded weights. The C kernel itself is tested in
 test_cpu_linear.py."""
 
@@ -15,9 +15,9 @@ from kvcache.paged import PagedKVCache
 from pagewire_common.sampling import SamplingParams
 from tests.test_models import BLOCK_SIZE, PagedRunner, hf_tiny, prompts
 from worker_svc.cpu import build
-from worker_svc.layers import cpu_linear
-from worker_svc.layers.cpu_bf16_linear import Fp32Linear, compute_bf16_model_in_fp32
-from worker_svc.layers.cpu_linear import KernelLinear
+from worker_svc.cpu import linear as cpu_linear
+from worker_svc.cpu.bf16_linear import Fp32Linear, compute_bf16_model_in_fp32
+from worker_svc.cpu.linear import KernelLinear
 from worker_svc.weights import load_model
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (worker_svc/layers/cpu_fused.py) against their torch references, and a
+"""The fused CPU kernels (worker_svc/cpu/fused.py) against their torch references, and a
 model switched to them against the same model on torch operators, in float32 and bfloat16. The
 bf16 kernels are vectorized where the kernels were built with AVX-512 BF16 and portable loops
 elsewhere: each host checks the one it has."""
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.cpu import build
-from worker_svc.layers import cpu_fused
+from worker_svc.cpu import fused as cpu_fused
+from worker_svc.cpu.fused import rms_norm_ref, silu_mul_ref, use_fused_cpu_kernels
 from worker_svc.layers.activation import ActAndMul
-from worker_svc.layers.cpu_fused import rms_norm_ref, silu_mul_ref, use_fused_cpu_kernels
 from worker_svc.layers.norms import RMSNorm
 
 pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")

@@ -1,4 +1,4 @@
-"""The CPU linears (worker_svc/layers/cpu_linear.py): the C kernel with fp32 and bf16 weights
+"""The CPU linears (worker_svc/cpu/linear.py): the C kernel with fp32 and bf16 weights
 against its torch reference, oneDNN-prepacked layers against nn.Linear, and which of the two a
 model gets on each kind of CPU."""
 
@@ -10,8 +10,8 @@ from torch import nn
 
 from tests.test_dtypes import AVX2, AVX512_BF16, ZEN4
 from worker_svc.cpu import build, features
-from worker_svc.layers import cpu_linear
-from worker_svc.layers.cpu_linear import KernelLinear, PackedLinear, linear_ref, pack_linears_for_cpu
+from worker_svc.cpu import linear as cpu_linear
+from worker_svc.cpu.linear import KernelLinear, PackedLinear, linear_ref, pack_linears_for_cpu
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")
 needs_onednn = pytest.mark.skipif(not cpu_linear.mkldnn_linear_available(), reason="oneDNN not available")

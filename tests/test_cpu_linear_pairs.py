@@ -1,4 +1,4 @@
-"""The CPU linear kernel's bf16-pair layout (worker_svc/layers/cpu_linear.py, ``PairLinear``): a
+"""The CPU linear kernel's bf16-pair layout (worker_svc/cpu/linear.py, ``PairLinear``): a
 bf16 model's linears on CPUs with AVX-512 BF16 dot products or AMX tiles, bf16 in and out with
 fp32 sums. Where the kernel was built without AVX-512 BF16 the same layout runs a portable loop, so
 every host checks the packing, the blocking and the rounding; an AVX-512 BF16 host checks the dot
@@ -14,8 +14,8 @@ from torch import nn
 from tests.test_cpu_linear import SHAPES
 from tests.test_dtypes import AMX, AVX2, AVX512_BF16, ZEN4
 from worker_svc.cpu import build, features
-from worker_svc.layers import cpu_linear
-from worker_svc.layers.cpu_linear import PackedLinear, PairLinear, pack_linears_for_cpu, pair_rows
+from worker_svc.cpu import linear as cpu_linear
+from worker_svc.cpu.linear import PackedLinear, PairLinear, pack_linears_for_cpu, pair_rows
 
 pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")
 

@@ -22,13 +22,13 @@ from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.cpu import attention as cpu_attention
 from worker_svc.cpu import features
+from worker_svc.cpu.bf16_linear import compute_bf16_model_in_fp32
+from worker_svc.cpu.fused import use_fused_cpu_kernels
+from worker_svc.cpu.linear import pack_linears_for_cpu
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
 from worker_svc.nvtx import nvtx_range
 from worker_svc.plan_state import SeqState, SequenceStates
-from worker_svc.layers.cpu_bf16_linear import compute_bf16_model_in_fp32
-from worker_svc.layers.cpu_fused import use_fused_cpu_kernels
-from worker_svc.layers.cpu_linear import pack_linears_for_cpu
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.logits_adjust import LogitsAdjuster
 from worker_svc.parallel.group import SINGLE, TensorParallel
@@ -158,10 +158,10 @@ class ModelRunner:
         )
 
     def _prepare_cpu_model(self) -> None:
-        """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (layers.cpu_bf16_linear);
-        otherwise linear weights packed for the C kernel or oneDNN (layers.cpu_linear). Either
+        """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (cpu.bf16_linear);
+        otherwise linear weights packed for the C kernel or oneDNN (cpu.linear). Either
         arithmetic also takes the fused norm, SiLU and rotary kernels where they are vectorized for
-        it (layers.cpu_fused: fp32 with AVX2, bf16 with AVX-512 BF16). One log line says what runs
+        it (cpu.fused: fp32 with AVX2, bf16 with AVX-512 BF16). One log line says what runs
         where."""
         compute_dtype = self.dtype
         cpu = features.cpu_info()

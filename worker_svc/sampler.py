@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagewire_common.sampling import SamplingParams
-from worker_svc.layers import cpu_fused
+from worker_svc.cpu import fused as cpu_fused
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
 

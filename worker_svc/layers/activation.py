@@ -24,7 +24,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 class ActAndMul(nn.Module):
     """act(gate) * up for a fused [T, 2 * I] gate/up projection. ``cpu_kernels`` (set by
-    ``layers.cpu_fused.use_fused_cpu_kernels`` for SiLU) computes it in one C pass."""
+    ``worker_svc.cpu.fused.use_fused_cpu_kernels`` for SiLU) computes it in one C pass."""
 
     cpu_kernels = None
 

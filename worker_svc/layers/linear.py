@@ -113,8 +113,8 @@ class RowParallelLinear(nn.Linear):
 
     def packed(self, make_linear) -> nn.Module:
         """This layer with its weight repacked by ``make_linear(weight, bias)`` (a packed layer of
-        ``layers.cpu_linear``); the all-reduce and the bias stay around it."""
-        from worker_svc.layers.cpu_linear import PackedRowParallel
+        ``worker_svc.cpu.linear``); the all-reduce and the bias stay around it."""
+        from worker_svc.cpu.linear import PackedRowParallel
 
         if self.tp.size == 1:
             return make_linear(self.weight, self.bias)

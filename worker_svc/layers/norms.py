@@ -8,7 +8,7 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     """Llama RMSNorm: normalize in fp32, scale in the input dtype (as transformers does).
-    ``cpu_kernels`` (set by ``layers.cpu_fused.use_fused_cpu_kernels``) computes it in one C pass."""
+    ``cpu_kernels`` (set by ``worker_svc.cpu.fused.use_fused_cpu_kernels``) computes it in one C pass."""
 
     cpu_kernels = None
 

@@ -29,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_rows = max(0, min(self.rows_per_rank, num_embeddings - self.start))  # real (unpadded) rows
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim))
         # the dtype of the hidden states it returns; None: the table's. A bf16 table on a CPU
-        # without native bf16 returns fp32 (layers.cpu_bf16_linear).
+        # without native bf16 returns fp32 (worker_svc.cpu.bf16_linear).
         self.output_dtype: torch.dtype | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

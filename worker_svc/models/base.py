@@ -13,7 +13,7 @@ from worker_svc.parallel.group import SINGLE, TensorParallel
 
 class CausalLM(nn.Module):
     """Holds ``lm_head`` (None with tied embeddings; this rank's vocabulary rows otherwise) and
-    ``packed_lm_head`` (set on CPU by ``layers.cpu_linear.pack_linears_for_cpu``); subclasses say
+    ``packed_lm_head`` (set on CPU by ``worker_svc.cpu.linear.pack_linears_for_cpu``); subclasses say
     which weight a tied head shares."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):

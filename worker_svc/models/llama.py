@@ -42,7 +42,7 @@ _STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    # fused CPU kernels that rotate q and k in place (set by layers.cpu_fused.use_fused_cpu_kernels)
+    # fused CPU kernels that rotate q and k in place (set by worker_svc.cpu.fused.use_fused_cpu_kernels)
     rotary_kernels = None
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):

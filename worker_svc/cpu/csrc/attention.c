@@ -348,7 +348,7 @@ DEFINE_PAGED_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32, float, b
 DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16, uint16_t, block_scores_bf16,
                        block_values_bf16)
 /* fp32 activations over a bf16 cache: a bf16 model on a CPU without native bf16 (the worker's
- * layers/cpu_bf16_linear.py) */
+ * cpu/bf16_linear.py) */
 DEFINE_PAGED_ATTENTION(paged_attention_f32_bf16kv, float, LOAD_F32, STORE_F32, uint16_t, block_scores_bf16,
                        block_values_bf16)
 

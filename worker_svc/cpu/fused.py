@@ -1,5 +1,5 @@
 """Fused RMSNorm, SiLU-and-multiply and rotary embedding for float32 or bfloat16 activations on
-CPU (``csrc/cpu_fused.c``).
+CPU (``csrc/fused.c``).
 
 At decode sizes each is a handful of torch operators, each a pass over memory and, past torch's
 grain size, an OpenMP region whose barrier waits on any thread another process preempted (the
@@ -25,7 +25,7 @@ from worker_svc.cpu import build
 from worker_svc.layers.activation import ActAndMul
 from worker_svc.layers.norms import RMSNorm
 
-_SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_fused.c"
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused.c"
 _ABI = 5
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 

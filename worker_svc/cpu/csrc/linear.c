@@ -34,7 +34,7 @@
  * it); inside a chunk the OpenMP threads split the panels statically, so a thread keeps the same
  * panels for every chunk, and the panel after the current one is the one it prefetches.
  *
- * Built at first use by worker_svc/layers/cpu_linear.py (through worker_svc.cpu.build) and called through
+ * Built at first use by worker_svc/cpu/linear.py (through worker_svc.cpu.build) and called through
  * ctypes; ``linear_ref`` there (torch) is what tests hold it to.
  */
 #define _GNU_SOURCE /* syscall() */
@@ -524,5 +524,5 @@ int linear_simd(void) { return HAVE_AVX2; }
 /* 1 when the bf16-pair layout runs on AVX-512 BF16 dot products, 0 for its portable loop. */
 int linear_pairs_simd(void) { return HAVE_AVX512BF16; }
 
-/* The ABI version worker_svc/layers/cpu_linear.py expects; bump it when a signature changes. */
+/* The ABI version worker_svc/cpu/linear.py expects; bump it when a signature changes. */
 int pagewire_cpu_linear_abi(void) { return 4; }

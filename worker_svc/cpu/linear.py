@@ -2,7 +2,7 @@
 
 Decode steps multiply a few dozen rows by weights far larger than the caches, so a step's linears
 are bound by streaming every weight from memory and keeping the FMA units fed while it arrives.
-The C kernel ``csrc/cpu_linear.c`` packs each weight into panels of 16 output columns and
+The C kernel ``csrc/linear.c`` packs each weight into panels of 16 output columns and
 prefetches the next panel while it multiplies the current one by every row; it takes fp32
 weights, and bf16 weights widened to fp32 in registers (for CPUs without native bf16). Every
 product and sum is an fp32 FMA, summed in order along k. On an AVX2 CPU it runs a 32-row step
@@ -36,9 +36,9 @@ from worker_svc.cpu import build, features
 
 log = logging.getLogger("pagewire.worker")
 
-_SOURCE = pathlib.Path(__file__).parent / "csrc" / "cpu_linear.c"
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "linear.c"
 _ABI = 4
-_PANEL = 16  # output columns per packed panel (csrc/cpu_linear.c)
+_PANEL = 16  # output columns per packed panel (csrc/linear.c)
 _PAIR_STEP = 16  # a bf16-pair panel holds a multiple of this many pairs (an AMX tile's worth)
 KERNEL_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -20,7 +20,7 @@
  * conversion flushes fp32 values below 2^-126 to zero where torch keeps a subnormal bf16; a
  * portable loop elsewhere.
  *
- * Built at first use by worker_svc/layers/cpu_fused.py (through worker_svc.cpu.build) and called through
+ * Built at first use by worker_svc/cpu/fused.py (through worker_svc.cpu.build) and called through
  * ctypes; the torch references there are what tests hold it to.
  */
 #include <math.h>
@@ -482,5 +482,5 @@ int fused_simd(void) { return HAVE_AVX2; }
 /* 1 when the bf16 kernels are built with AVX-512 BF16, 0 for their portable loops. */
 int fused_bf16_simd(void) { return HAVE_AVX512BF16; }
 
-/* The ABI version worker_svc/layers/cpu_fused.py expects; bump it when a signature changes. */
+/* The ABI version worker_svc/cpu/fused.py expects; bump it when a signature changes. */
 int pagewire_cpu_fused_abi(void) { return 5; }

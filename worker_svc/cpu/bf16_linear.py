@@ -3,7 +3,7 @@
 Without ``avx512_bf16`` or AMX, torch multiplies bf16 matrices by emulation (about 7x slower
 than fp32 at 32 rows on AVX2), and oneDNN refuses to pack bf16 weights. So the weights stay
 bf16 in memory, half the bytes to stream each step, and the C linear kernel
-(``layers/cpu_linear.py``) widens them to fp32 in registers: ``y = x W^T + b`` with x, y and b in
+(``worker_svc/cpu/linear.py``) widens them to fp32 in registers: ``y = x W^T + b`` with x, y and b in
 fp32. Activations stay fp32 between layers (norms, rotary, activation functions, residuals); the
 embedding table, the output head and the paged KV cache stay bf16, and attention reads the bf16
 cache under fp32 queries (``worker_svc/cpu/csrc/attention.c``).
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker_svc.layers import cpu_linear
-from worker_svc.layers.cpu_linear import KernelLinear, PackedLinear, mkldnn_linear_available, replace_linears
+from worker_svc.cpu import linear as cpu_linear
+from worker_svc.cpu.linear import KernelLinear, PackedLinear, mkldnn_linear_available, replace_linears
 from worker_svc.layers.rotary import RotaryEmbedding
 from worker_svc.layers.vocab import VocabParallelEmbedding
 
