@@ -6,12 +6,16 @@ import sys
 
 import grpc
 
+from pagewire_common.sampling import DEFAULT_SAMPLING as _DEFAULT
 from pagewire_common.v1 import generation_pb2 as pb
 from pagewire_common.v1 import generation_pb2_grpc
 
 
-def make_sampling(max_tokens=16, temperature=0.0, top_p=None, top_k=0, seed=None, stop=(), stop_token_ids=(),
-                  ignore_eos=False, logprobs=False) -> pb.SamplingParams:
+def make_sampling(max_tokens=_DEFAULT.max_tokens, temperature=0.0, top_p=None, top_k=_DEFAULT.top_k, seed=None,
+                  stop=_DEFAULT.stop, stop_token_ids=_DEFAULT.stop_token_ids, ignore_eos=_DEFAULT.ignore_eos,
+                  logprobs=_DEFAULT.logprobs) -> pb.SamplingParams:
+    """A ``SamplingParams`` message: greedy unless told otherwise, every other field as
+    ``SamplingParams`` declares it (``top_p`` and ``seed`` None: left unset)."""
     msg = pb.SamplingParams(temperature=temperature, top_k=top_k, max_tokens=max_tokens, stop=list(stop),
                             stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, logprobs=logprobs)
     if top_p is not None:

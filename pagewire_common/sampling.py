@@ -153,3 +153,8 @@ class SamplingParams:
             if text is not None:
                 return name, text
         return None
+
+
+# The declared defaults, for code that has to name one: a keyword argument's default, what an unset
+# protobuf field means. Read them here rather than repeat the literals.
+DEFAULT_SAMPLING = SamplingParams()

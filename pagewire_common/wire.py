@@ -12,7 +12,7 @@ import json
 import numpy as np
 
 from pagewire_common.plan import NewSequence, StepPlan, StepResult
-from pagewire_common.sampling import SamplingParams
+from pagewire_common.sampling import DEFAULT_SAMPLING, SamplingParams
 from pagewire_common.v1 import generation_pb2 as gen_pb
 from pagewire_common.v1 import worker_pb2 as worker_pb
 
@@ -20,7 +20,6 @@ _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 
-DEFAULT_MAX_TOKENS = 16
 # sampling parameter sets remembered in each direction, and the largest one (serialized) remembered
 _SAMPLING_MEMO_SIZE = 256
 _SAMPLING_MEMO_MAX_BYTES = 1024
@@ -87,19 +86,21 @@ def _memo_sampling_from_pb(data: bytes) -> SamplingParams:
 
 
 def _decode_sampling(msg: gen_pb.SamplingParams) -> SamplingParams:
+    # an unset field, or a zero where zero is not a valid value, means the declared default
+    default = DEFAULT_SAMPLING
     return SamplingParams(
         temperature=float(msg.temperature),
-        top_p=float(msg.top_p) if msg.HasField("top_p") else 1.0,
+        top_p=float(msg.top_p) if msg.HasField("top_p") else default.top_p,
         top_k=int(msg.top_k),
         seed=int(msg.seed) if msg.HasField("seed") else None,
-        max_tokens=int(msg.max_tokens) or DEFAULT_MAX_TOKENS,
+        max_tokens=int(msg.max_tokens) or default.max_tokens,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=bool(msg.ignore_eos),
         logprobs=bool(msg.logprobs),
-        n=int(msg.n) or 1,
+        n=int(msg.n) or default.n,
         min_p=float(msg.min_p),
-        repetition_penalty=float(msg.repetition_penalty) or 1.0,
+        repetition_penalty=float(msg.repetition_penalty) or default.repetition_penalty,
         presence_penalty=float(msg.presence_penalty),
         frequency_penalty=float(msg.frequency_penalty),
         logit_bias=dict(msg.logit_bias),

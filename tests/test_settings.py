@@ -130,6 +130,55 @@ def test_component_configs_take_their_defaults_and_checks_from_the_settings():
     assert RunnerConfig.from_settings(s).num_kv_blocks == 77
 
 
+# repeated defaults in files whose owners have not derived them yet: (path, name)
+_REPEATED_DEFAULTS_LEFT = {("kvcache/allocator.py", "block_size"), ("kvcache/allocator.py", "enable_prefix_caching")}
+
+
+def test_no_default_is_repeated_as_a_literal():
+    """A keyword argument or config field named like a setting or a SamplingParams field takes its
+    default from the declaration (``default_of``, ``DEFAULT_SAMPLING``), not from a copy of the
+    literal, which would drift. A literal that differs is a choice of its own (a client that is
+    greedy unless told), and an empty or zero one means "none" (no stop strings): neither is flagged."""
+    import ast
+
+    from pagewire_common.sampling import SamplingParams
+    from tests.service_utils import REPO
+
+    declared: dict[str, list] = {}
+    for f in (*dataclasses.fields(Settings), *dataclasses.fields(SamplingParams)):
+        if f.default is not dataclasses.MISSING and f.default is not None:
+            declared.setdefault(f.name, []).append(f.default)
+    declarations = {"pagewire_common/settings.py", "pagewire_common/sampling.py"}
+    repeated = set()
+    for root in ("pagewire", "pagewire_common", "kvcache", "scheduler_svc", "worker_svc"):
+        for path in (REPO / root).rglob("*.py"):
+            where = path.relative_to(REPO).as_posix()
+            if where in declarations or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    params = a.posonlyargs + a.args
+                    pairs = list(zip(params[len(params) - len(a.defaults):], a.defaults))
+                    pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                    named = [(arg.arg, d) for arg, d in pairs]
+                elif isinstance(node, ast.ClassDef):
+                    named = [(n.target.id, n.value) for n in node.body
+                             if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value is not None]
+                else:
+                    continue
+                for name, value in named:
+                    if name not in declared:
+                        continue
+                    try:
+                        literal = ast.literal_eval(value)
+                    except ValueError:
+                        continue  # not a literal: derived, or computed
+                    if literal and any(type(literal) is type(d) and literal == d for d in declared[name]):
+                        repeated.add((where, name))
+    assert repeated <= _REPEATED_DEFAULTS_LEFT, sorted(repeated - _REPEATED_DEFAULTS_LEFT)
+
+
 def test_llm_takes_the_settings_as_keywords(tiny_model_dir):
     from pagewire import LLM
 

@@ -32,6 +32,8 @@ from pathlib import Path
 from time import perf_counter
 
 from pagewire.bench.metrics import RequestRecord
+from pagewire_common.sampling import DEFAULT_SAMPLING
+from pagewire_common.settings import default_of
 
 BASELINES = ("hf", "hf-cb")
 # The KV budget our CPU worker uses when none is given (worker_svc.runner.DEFAULT_CPU_KV_CACHE_BYTES).
@@ -44,16 +46,16 @@ class BaselineOptions:
     dtype: str = "float32"
     device: str | None = None  # None: cuda if available, else cpu
     max_new_tokens: int = 128
-    ignore_eos: bool = False
+    ignore_eos: bool = DEFAULT_SAMPLING.ignore_eos
     temperature: float = 0.0
     seed: int = 0
     batch_size: int = 32  # hf: prompts per static batch
-    block_size: int = 16
+    block_size: int = default_of("block_size")
     num_kv_blocks: int | None = None  # None: from kv_cache_bytes
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, transformers' choice on a GPU
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 256
-    prefix_cache: bool = True
+    max_num_batched_tokens: int = default_of("max_num_batched_tokens")
+    max_num_seqs: int = default_of("max_num_seqs")
+    prefix_cache: bool = default_of("enable_prefix_caching")
 
 
 class HFBaselines:

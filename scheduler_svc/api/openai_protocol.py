@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagewire_common.requests import RequestOutput
-from pagewire_common.sampling import SamplingParams
+from pagewire_common.sampling import DEFAULT_SAMPLING, MAX_TOP_LOGPROBS, SamplingParams
 
-MAX_TOP_LOGPROBS = 20
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 # gRPC status of a refused or failed request -> HTTP status and OpenAI error type
@@ -66,7 +65,7 @@ class ParsedRequest:
     prompts: list[dict]
     sampling: SamplingParams | None
     sampling_error: str | None
-    n: int = 1
+    n: int
     stream: bool = False
     include_usage: bool = False
     num_top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
@@ -148,18 +147,16 @@ def _structured(body: dict, put) -> None:
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
-            put("json_schema", json.dumps(spec["schema"]), None)
+            put("json_schema", json.dumps(spec["schema"]))
         elif kind == "json_object":
-            put("json_schema", json.dumps({"type": "object"}), None)
+            put("json_schema", json.dumps({"type": "object"}))
         elif kind != "text":
             raise bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
     guided = _get(body, "guided_json", (dict, str), None)
     if guided is not None:
-        put("json_schema", guided if isinstance(guided, str) else json.dumps(guided), None)
+        put("json_schema", guided if isinstance(guided, str) else json.dumps(guided))
     for name, field_name in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
-        value = _get(body, name, str, None)
-        if value is not None:
-            put(field_name, value, None)
+        put(field_name, _get(body, name, str, None))
 
 
 def parse(body, *, chat: bool) -> ParsedRequest:
@@ -178,68 +175,67 @@ def parse(body, *, chat: bool) -> ParsedRequest:
     for name in ("echo",):
         if _get(body, name, bool, False):
             raise bad(f"{name} is not supported", name)
-    if _get(body, "best_of", int, 1) not in (1, _get(body, "n", int, 1)):
+    n = _get(body, "n", int, DEFAULT_SAMPLING.n)
+    if _get(body, "best_of", int, 1) not in (1, n):
         raise bad("best_of other than n is not supported", "best_of")
     if _get(body, "suffix", str, None):
         raise bad("suffix is not supported", "suffix")
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
     include_usage = bool(stream and _get(options, "include_usage", bool, False))
-    n = _get(body, "n", int, 1)
     if n < 1:
         raise bad(f"n must be >= 1, got {n}", "n")
 
     kw: dict = {}
     unsupported: list[str] = []
 
-    def put(name: str, value, off) -> None:
+    def put(name: str, value) -> None:
+        """A sampling field the body sets; one it leaves out (None) keeps SamplingParams's default."""
+        if value is None:
+            return
         if name in _SAMPLING_FIELDS:
             kw[name] = value
-        elif value != off:
+        else:
             unsupported.append(name)
 
-    num = (int, float)
-    put("temperature", float(_get(body, "temperature", num, 1.0)), None)
-    if "top_p" in body and body["top_p"] is not None:
-        put("top_p", float(_get(body, "top_p", num)), None)
-    top_k = _get(body, "top_k", int, 0)
-    put("top_k", 0 if top_k == -1 else top_k, 0)  # -1 is "off" for vLLM's clients
-    seed = _get(body, "seed", int, None)
-    if seed is not None:
-        put("seed", seed, None)
+    def number(name: str) -> float | None:
+        value = _get(body, name, (int, float))
+        return None if value is None else float(value)
+
+    put("temperature", number("temperature"))
+    put("top_p", number("top_p"))
+    top_k = _get(body, "top_k", int)
+    put("top_k", 0 if top_k == -1 else top_k)  # -1 is "off" for vLLM's clients, 0 for ours
+    put("seed", _get(body, "seed", int))
     max_tokens = _get(body, "max_completion_tokens", int, None) if chat else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
-    fill = False
-    if max_tokens is None:
-        if chat:
-            fill, max_tokens = True, 1  # replaced by what the model length leaves once the prompt is known
-        else:
-            max_tokens = 16  # OpenAI's default for completions
-    put("max_tokens", max_tokens, None)
+    # completions without max_tokens get SamplingParams's default, which is OpenAI's
+    fill = chat and max_tokens is None
+    if fill:
+        max_tokens = 1  # replaced by what the model length leaves once the prompt is known
+    put("max_tokens", max_tokens)
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad("stop must be a string or a list of strings", "stop")
-        put("stop", tuple(stop), ())
+        put("stop", tuple(stop))
     if body.get("stop_token_ids") is not None:
-        put("stop_token_ids", tuple(_int_list(body["stop_token_ids"], "stop_token_ids")), ())
-    put("ignore_eos", _get(body, "ignore_eos", bool, False), False)
-    for name in ("min_p", "presence_penalty", "frequency_penalty"):
-        put(name, float(_get(body, name, num, 0.0)), 0.0)
-    put("repetition_penalty", float(_get(body, "repetition_penalty", num, 1.0)), 1.0)
-    put("min_tokens", _get(body, "min_tokens", int, 0), 0)
-    bias = _get(body, "logit_bias", dict, {})
-    if bias:
+        put("stop_token_ids", tuple(_int_list(body["stop_token_ids"], "stop_token_ids")))
+    put("ignore_eos", _get(body, "ignore_eos", bool))
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        put(name, number(name))
+    put("min_tokens", _get(body, "min_tokens", int))
+    bias = _get(body, "logit_bias", dict)
+    if bias is not None:
         try:
             bias = {int(k): float(v) for k, v in bias.items()}
         except (TypeError, ValueError):
             raise bad("logit_bias must map token ids to numbers", "logit_bias") from None
-        put("logit_bias", bias, {})
-    if n != 1:
-        put("n", n, 1)
+        put("logit_bias", bias)
+    put("n", n)
     _structured(body, put)
 
     # logprobs: chat asks with a flag and top_logprobs; completions with the number of top tokens
@@ -256,9 +252,9 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         if not 0 <= num_top <= MAX_TOP_LOGPROBS:
             raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {num_top}",
                       "top_logprobs" if chat else "logprobs")
-        put("logprobs", True, False)
+        put("logprobs", True)
         if num_top:
-            put("top_logprobs", num_top, 0)
+            put("top_logprobs", num_top)
 
     return_ids = _get(body, "return_token_ids", bool, False)
     if unsupported:

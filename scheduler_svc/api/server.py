@@ -26,6 +26,7 @@ from pagewire_common.core_messages import CoreOutputs, CoreRequests, NewRequest,
 from pagewire_common.eventloop import Outbox
 from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
 from pagewire_common.requests import FinishReason, RequestOutput
+from pagewire_common.settings import default_of
 from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import core_pb2, core_pb2_grpc, generation_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
@@ -70,7 +71,8 @@ class _Pending:
 class ApiServer:
     """The state of one API-server process: its link to the core and its requests in flight."""
 
-    def __init__(self, core_address: str, stream_interval: int = 1, on_health=None, metrics=None):
+    def __init__(self, core_address: str, stream_interval: int = default_of("stream_interval"), on_health=None,
+                 metrics=None):
         self.core_address = core_address
         self.metrics = metrics  # RequestMetrics, or None
         self.stream_interval = stream_interval

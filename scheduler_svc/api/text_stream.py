@@ -14,6 +14,7 @@ from __future__ import annotations
 from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import FinishReason, RequestOutput, Usage
 from pagewire_common.sampling import SamplingParams
+from pagewire_common.settings import default_of
 from scheduler_svc.api.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -25,7 +26,8 @@ class TextStream:
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 tokenizer: Tokenizer | None, stream_interval: int = 1, index: int = 0):
+                 tokenizer: Tokenizer | None, stream_interval: int = default_of("stream_interval"),
+                 index: int = 0):
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.request_id = request_id
@@ -115,7 +117,7 @@ class OutputProcessor:
     """The ``TextStream`` of every request (sample) in flight, by request id, fed the core's
     ``CoreOutputs``: the API servers and the offline ``LLM`` turn tokens into deltas here."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1):
+    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = default_of("stream_interval")):
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
         self.streams: dict[int, TextStream] = {}
