@@ -5,7 +5,7 @@ section "Sampling at temperature 1.0".
 
 Prints milliseconds per call for greedy rows, plain temperature sampling, top_k=50 + top_p=0.95,
 top_p=0.9 alone, and per-row seeds; on CPU also greedy and temperature 1.0 with torch's operators
-in place of the fused C argmax and draw the sampler takes there (``worker_svc.sampler.cpu_kernels``).
+in place of the C argmax and draw the sampler takes there (``worker_svc.cpu.sampler``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from worker_svc.cpu import build
 from worker_svc.cpu import fused as cpu_fused
+from worker_svc.cpu import sampler as cpu_sampler
 from worker_svc.cpu.fused import rms_norm_ref, silu_mul_ref, use_fused_cpu_kernels
 from worker_svc.layers.activation import ActAndMul
 from worker_svc.layers.norms import RMSNorm
@@ -23,6 +24,12 @@ def lib() -> cpu_fused.FusedKernels:
     built = cpu_fused.kernel()
     assert built is not None, "the fused CPU kernels did not build (see the log)"
     return built
+
+
+@pytest.fixture(scope="module")
+def sampler_lib(lib) -> cpu_sampler.SamplerKernels:
+    """The sampler's argmax and draw, built into the same library, vectorized or not."""
+    return cpu_sampler.SamplerKernels(cpu_fused.library())
 
 
 # rows x width: one row, widths that are and are not multiples of 8, SmolLM2's, and a prefill-sized
@@ -189,7 +196,7 @@ def test_kernels_are_used_only_for_the_dtype_they_are_vectorized_for(tmp_path, l
 
 
 @pytest.mark.parametrize("width", [1, 7, 8, 31, 32, 33, 100, 49152])
-def test_argmax_is_torchs_first_maximum(lib, width):
+def test_argmax_is_torchs_first_maximum(sampler_lib, width):
     gen = torch.Generator().manual_seed(width)
     rows = torch.randn(6, width, generator=gen)
     rows[1] = 0.25  # all equal: the first
@@ -197,34 +204,34 @@ def test_argmax_is_torchs_first_maximum(lib, width):
     rows[3] = torch.round(rows[3])  # many ties among the largest
     rows[4] = float("-inf")
     rows[5, -1] = rows[5].max() + 1  # the last element, in the scalar tail
-    assert torch.equal(lib.argmax(rows), rows.argmax(dim=-1))
+    assert torch.equal(sampler_lib.argmax(rows), rows.argmax(dim=-1))
     wide = torch.randn(6, width + 5, generator=gen)
-    assert torch.equal(lib.argmax(wide[:, 3:3 + width]), wide[:, 3:3 + width].argmax(dim=-1))  # strided rows
+    assert torch.equal(sampler_lib.argmax(wide[:, 3:3 + width]), wide[:, 3:3 + width].argmax(dim=-1))  # strided rows
 
 
 @pytest.mark.parametrize("where", [0, 5, 40, 99])
-def test_argmax_takes_the_first_nan_as_torch_does(lib, where):
+def test_argmax_takes_the_first_nan_as_torch_does(sampler_lib, where):
     row = torch.randn(100, generator=torch.Generator().manual_seed(where))
     row[where] = float("nan")
     row[min(where + 7, 99)] = float("nan")
     row[50] = float("inf")
-    assert lib.argmax(row.view(1, -1)).item() == row.argmax().item() == where
+    assert sampler_lib.argmax(row.view(1, -1)).item() == row.argmax().item() == where
 
 
-def test_argmax_refuses_what_it_does_not_take(lib):
+def test_argmax_refuses_what_it_does_not_take(sampler_lib):
     with pytest.raises(ValueError, match="float32 logits"):
-        lib.argmax(torch.randn(2, 8).bfloat16())
+        sampler_lib.argmax(torch.randn(2, 8).bfloat16())
     with pytest.raises(ValueError, match="V > 0"):
-        lib.argmax(torch.empty(2, 0))
-    assert lib.argmax(torch.empty(0, 8)).shape == (0,)
+        sampler_lib.argmax(torch.empty(2, 0))
+    assert sampler_lib.argmax(torch.empty(0, 8)).shape == (0,)
 
 
 def test_the_cpu_sampler_takes_the_c_argmax_where_it_is_vectorized(lib):
     from pagewire_common.sampling import SamplingParams
-    from worker_svc.sampler import Sampler, SamplingBatch, cpu_kernels
+    from worker_svc.sampler import Sampler, SamplingBatch
 
     sampler = Sampler("cpu")
-    assert (sampler._cpu is not None) == lib.simd == (cpu_kernels() is not None)
+    assert (sampler._cpu is not None) == lib.simd == (cpu_sampler.kernel() is not None)
     logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(9))
     logits[2, 10] = logits[2, 600] = logits[2].max() + 1
     tokens, _ = sampler(logits, SamplingBatch([SamplingParams(temperature=0)] * 5, [0] * 5, want_logprobs=False))
@@ -243,7 +250,7 @@ def assert_draws_invert_the_cdf(tokens: torch.Tensor, scaled: torch.Tensor, u: t
 
 
 @pytest.mark.parametrize("width", [1, 5, 64, 100, 49152])
-def test_draw_inverts_each_rows_cdf(lib, width):
+def test_draw_inverts_each_rows_cdf(sampler_lib, width):
     gen = torch.Generator().manual_seed(width)
     logits = torch.randn(9, width, generator=gen) * 3
     logits[1, ::3] = float("-inf")  # masked tokens: never drawn
@@ -251,18 +258,19 @@ def test_draw_inverts_each_rows_cdf(lib, width):
     u = torch.rand(9, 1, generator=gen)
     u[2], u[3] = 0.0, 1.0 - 2.0**-24  # the first token with a probability, the last one
     temps = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 2.0, 1e-3, 0.7, 1.3])
-    for tokens, scaled in ((lib.draw(logits, u), logits), (lib.draw(logits, u, temps), logits / temps.unsqueeze(1))):
+    draws = ((sampler_lib.draw(logits, u), logits), (sampler_lib.draw(logits, u, temps), logits / temps.unsqueeze(1)))
+    for tokens, scaled in draws:
         assert_draws_invert_the_cdf(tokens, scaled, u[:, 0])
-    assert lib.draw(logits[:, :width], u).shape == (9,)
+    assert sampler_lib.draw(logits[:, :width], u).shape == (9,)
 
 
-def test_draw_leaves_rows_with_a_nan_or_nothing_finite_to_the_caller(lib):
+def test_draw_leaves_rows_with_a_nan_or_nothing_finite_to_the_caller(sampler_lib):
     logits = torch.randn(3, 70)
     logits[0, 40] = float("nan")
     logits[1] = float("-inf")
-    assert lib.draw(logits, torch.full((3, 1), 0.5)).tolist()[:2] == [-1, -1]
+    assert sampler_lib.draw(logits, torch.full((3, 1), 0.5)).tolist()[:2] == [-1, -1]
     with pytest.raises(ValueError, match="uniforms"):
-        lib.draw(logits, torch.rand(2, 1))
+        sampler_lib.draw(logits, torch.rand(2, 1))
 
 
 def test_the_cpu_sampler_draws_with_the_c_kernel_and_torch_for_what_it_leaves(lib, monkeypatch):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagewire_common.sampling import SamplingParams
-from worker_svc.cpu import fused as cpu_fused
+from worker_svc.cpu import sampler as cpu_sampler
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
 
@@ -35,22 +35,13 @@ class SamplingBatch:
         return all(p.is_greedy for p in self.params)
 
 
-def cpu_kernels() -> cpu_fused.FusedKernels | None:
-    """The fused C kernels whose argmax and draw the sampler takes for float32 logits on CPU, or
-    None where they are not built with AVX2 (torch's operators then). ``torch.argmax`` keeps an
-    index beside every comparison, ~2 ms for 32 rows of a 49k vocabulary on two cores, the C one
-    ~0.2 ms; softmax, cumsum and searchsorted make three passes and write two rows' worth, the C
-    draw reads the row twice (``benchmarks/sampler_speed.py``)."""
-    lib = cpu_fused.kernel()
-    return lib if lib is not None and lib.simd else None
-
-
 class Sampler:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device)
         self._generator.seed()
-        self._cpu = cpu_kernels() if self.device.type == "cpu" else None
+        # on CPU, argmax and plain draws of float32 logits in C where it is vectorized (worker_svc.cpu.sampler)
+        self._cpu = cpu_sampler.kernel() if self.device.type == "cpu" else None
 
     def _on_cpu_kernels(self, logits: torch.Tensor) -> bool:
         return self._cpu is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" \

@@ -39,6 +39,15 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., n] as 2-D rows whose elements are contiguous (copied only where they are not),
+    for the C passes of ``csrc/fused.c``; float32 or bfloat16 CPU tensors only."""
+    if x.dtype not in _DTYPES or x.device.type != "cpu":
+        raise ValueError(f"the fused CPU kernels take float32 or bfloat16 CPU tensors, got {x.dtype} on {x.device}")
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 class FusedKernels:
     """The loaded C library, with torch-facing calls on 2-D float32 or bfloat16 CPU tensors whose
     rows are contiguous (others are copied first)."""
@@ -56,26 +65,13 @@ class FusedKernels:
             self._rotary[dtype] = rotary = getattr(lib, f"rotary_{suffix}")
             rotary.restype = None
             rotary.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, i64]
-        self._argmax = lib.argmax_f32
-        self._argmax.restype = None
-        self._argmax.argtypes = [p, i64, i64, i64, p]
-        self._sample = lib.sample_f32
-        self._sample.restype = None
-        self._sample.argtypes = [p, i64, i64, i64, p, p, p]
         # vectorized: float32 with AVX2/FMA, bfloat16 with AVX-512 BF16 (else portable loops)
         self.simd = bool(lib.fused_simd())
         self.bf16_simd = bool(lib.fused_bf16_simd())
 
-    @staticmethod
-    def _rows(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in _DTYPES or x.device.type != "cpu":
-            raise ValueError(f"the fused CPU kernels take float32 or bfloat16 CPU tensors, got {x.dtype} on {x.device}")
-        x = x.reshape(-1, x.shape[-1])
-        return x if x.stride(1) == 1 else x.contiguous()
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """[..., n] -> [..., n]: ``weight * (x * rsqrt(mean(x^2) + eps))``, the weight in x's dtype."""
-        rows = self._rows(x)
+        rows = as_rows(x)
         if weight.dtype != x.dtype or weight.shape != (rows.shape[1],):
             raise ValueError(f"RMSNorm weight {tuple(weight.shape)} {weight.dtype} does not fit rows of {rows.shape[1]} "
                              f"{x.dtype}")
@@ -86,42 +82,13 @@ class FusedKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., 2n] (gate, then up) -> [..., n]: ``silu(gate) * up``."""
-        rows = self._rows(gate_up)
+        rows = as_rows(gate_up)
         if rows.shape[1] % 2:
             raise ValueError(f"gate/up rows have an odd width {rows.shape[1]}")
         n = rows.shape[1] // 2
         out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype)
         self._silu_mul[gate_up.dtype](rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], n)
         return out.view(*gate_up.shape[:-1], n)
-
-
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """[N, V] float32 -> [N] int64: each row's ``torch.argmax`` (the first of equal maxima, or
-        the first NaN)."""
-        if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.shape[1]:
-            raise ValueError(f"argmax takes [N, V] float32 logits with V > 0, got {tuple(logits.shape)} {logits.dtype}")
-        rows = self._rows(logits)
-        out = torch.empty(rows.shape[0], dtype=torch.int64)
-        self._argmax(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], out.data_ptr())
-        return out
-
-    def draw(self, logits: torch.Tensor, u: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, V] float32 logits, [N] or [N, 1] uniforms in [0, 1) and temperatures (> 0; None for
-        logits already scaled) -> [N] int64: each row's draw from softmax(logits / temperature) at u,
-        the first token whose cumulative probability exceeds u times the total (masked -inf tokens
-        never); -1 for a row with a NaN or no finite logit, for the caller to draw."""
-        if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.shape[1]:
-            raise ValueError(f"draw takes [N, V] float32 logits with V > 0, got {tuple(logits.shape)} {logits.dtype}")
-        rows = self._rows(logits)
-        u = u.reshape(-1).to(torch.float32).contiguous()
-        inv_t = torch.ones_like(u) if temperatures is None else (1.0 / temperatures.reshape(-1).to(torch.float32))
-        if u.shape[0] != rows.shape[0] or inv_t.shape[0] != rows.shape[0]:
-            raise ValueError(f"{u.shape[0]} uniforms and {inv_t.shape[0]} temperatures for {rows.shape[0]} rows")
-        inv_t = inv_t.contiguous()
-        out = torch.empty(rows.shape[0], dtype=torch.int64)
-        self._sample(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], inv_t.data_ptr(), u.data_ptr(),
-                     out.data_ptr())
-        return out
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Rotate q [T, Hq, D] and k [T, Hk, D] in place by cos, sin [T, 1, D / 2] (from
@@ -141,9 +108,17 @@ class FusedKernels:
 
 
 @functools.cache
+def library() -> ctypes.CDLL | None:
+    """``csrc/fused.c`` built on first call and loaded; None (after one warning) when it cannot be
+    built. Its norm, activation and rotary passes are :class:`FusedKernels`'; its argmax and draw,
+    the sampler's (``worker_svc.cpu.sampler``)."""
+    return build.load(_SOURCE, "pagewire_cpu_fused_abi", _ABI, "norms and activations use torch operators")
+
+
+@functools.cache
 def kernel() -> FusedKernels | None:
     """The kernels, built on first call; None (after one warning) when they cannot be built."""
-    lib = build.load(_SOURCE, "pagewire_cpu_fused_abi", _ABI, "norms and activations use torch operators")
+    lib = library()
     return None if lib is None else FusedKernels(lib)
 
 
