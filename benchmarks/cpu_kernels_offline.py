@@ -9,10 +9,11 @@ process of its own. Feeds docs/benchmarks.md, section "The CPU linears".
   all      the worker's own choice on this CPU: on AVX2, the C linears and the fused C steps
 
 A configuration is chosen by replacing the worker's decisions in the child process
-(``worker_svc.cpu.linear.kernel_beats_onednn`` and ``pair_instructions``, and the runner's
-``use_fused_cpu_kernels``). Each child runs ``LLM.generate`` in --dtype (float32 by default; a
-bfloat16 model computes in bf16 only on a CPU with native bf16) on --num-prompts 16-token prompts,
-greedy, EOS ignored, after a warm-up, and prints the best completion tok/s of --repeats runs.
+(``worker_svc.cpu.linear.kernel_beats_onednn`` and ``pair_instructions``, and
+``use_fused_cpu_kernels`` as ``worker_svc.cpu.prepare`` calls it). Each child runs
+``LLM.generate`` in --dtype (float32 by default; a bfloat16 model computes in bf16 only on a CPU
+with native bf16) on --num-prompts 16-token prompts, greedy, EOS ignored, after a warm-up, and
+prints the best completion tok/s of --repeats runs.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ CONFIGS = ("onednn", "linears", "all")
 
 
 def child(config: str, num_prompts: int, max_tokens: int, repeats: int, dtype: str) -> None:
-    from worker_svc import runner
     from worker_svc.cpu import linear as cpu_linear
+    from worker_svc.cpu import prepare
 
     if config == "onednn":
         cpu_linear.kernel_beats_onednn = lambda cpu: False
@@ -35,7 +36,7 @@ def child(config: str, num_prompts: int, max_tokens: int, repeats: int, dtype: s
     elif config == "linears":
         cpu_linear.kernel_beats_onednn = lambda cpu: True
     if config in ("onednn", "linears"):
-        runner.use_fused_cpu_kernels = lambda model, dtype=None: 0
+        prepare.use_fused_cpu_kernels = lambda model, dtype=None: 0
     from pagewire import LLM, SamplingParams
 
     prompts = [[100 + 7 * i + j for j in range(16)] for i in range(num_prompts)]

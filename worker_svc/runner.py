@@ -15,16 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvcache.paged import AttentionMetadata, PagedKVCache, prepare_cpu_attention, use_cpu_attention
+from kvcache.paged import AttentionMetadata, PagedKVCache
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.settings import Settings, check_all, default_of
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
-from worker_svc.cpu import attention as cpu_attention
-from worker_svc.cpu import features
-from worker_svc.cpu.bf16_linear import compute_bf16_model_in_fp32
-from worker_svc.cpu.fused import use_fused_cpu_kernels
-from worker_svc.cpu.linear import pack_linears_for_cpu
+from worker_svc.cpu.prepare import prepare_model
 from worker_svc.cuda_graphs import DecodeGraphs
 from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
 from worker_svc.nvtx import nvtx_range
@@ -116,7 +112,7 @@ class ModelRunner:
         log.info("%s", choice.describe(config.dtype))
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
         if self.device.type == "cpu":
-            self._prepare_cpu_model()
+            prepare_model(self.model, self.dtype)  # the CPU kernels that fit (worker_svc.cpu)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         # this rank's KV heads; every rank holds the same block ids, each for its own heads
@@ -156,24 +152,6 @@ class ModelRunner:
             "model runner: %s architecture, %s on %s, %d KV blocks of %d tokens, max model length %d",
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
         )
-
-    def _prepare_cpu_model(self) -> None:
-        """bf16 without native bf16: bf16 weights and cache, fp32 arithmetic (cpu.bf16_linear);
-        otherwise linear weights packed for the C kernel or oneDNN (cpu.linear). Either
-        arithmetic also takes the fused norm, SiLU and rotary kernels where they are vectorized for
-        it (cpu.fused: fp32 with AVX2, bf16 with AVX-512 BF16). One log line says what runs
-        where."""
-        compute_dtype = self.dtype
-        cpu = features.cpu_info()
-        if self.dtype == torch.bfloat16 and not cpu.native_bf16:
-            compute_dtype = torch.float32
-            linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(self.model)
-        else:
-            linears = pack_linears_for_cpu(self.model) or "plain torch matmuls"
-        fused = use_fused_cpu_kernels(self.model, compute_dtype) > 0
-        use_cpu_attention(cpu_attention.kernel)
-        log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s", linears,
-                 "fused C" if fused else "torch operators", prepare_cpu_attention(compute_dtype, self.dtype))
 
     def _grammar_masks(self) -> GrammarMasks | None:
         mc = self.model_config

@@ -1,0 +1,45 @@
+"""Preparing a loaded model to run on the CPU: the one entry point the runner calls.
+
+What runs where depends on the model's dtype and on the CPU (``features``):
+
+- a bf16 model on a CPU without native bf16 keeps bf16 weights and cache and computes in fp32
+  (``bf16_linear``); otherwise the linear weights are packed for the C kernel or oneDNN
+  (``linear``);
+- either arithmetic takes the fused norm, SiLU and rotary passes where they are vectorized for it
+  (``fused``: fp32 with AVX2, bf16 with AVX-512 BF16);
+- ``kvcache.paged`` is handed the C attention kernel (``attention``), built now rather than during
+  the first request.
+
+One log line says what runs where.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kvcache import paged
+from worker_svc.cpu import attention, features
+from worker_svc.cpu.bf16_linear import compute_bf16_model_in_fp32
+from worker_svc.cpu.fused import use_fused_cpu_kernels
+from worker_svc.cpu.linear import pack_linears_for_cpu
+
+log = logging.getLogger("pagewire.worker")
+
+
+def prepare_model(model: nn.Module, dtype: torch.dtype) -> None:
+    """Switch ``model``, loaded on CPU in ``dtype`` (also its KV cache's), to the CPU kernels that
+    fit this CPU, and register the C attention kernel with ``kvcache.paged``."""
+    compute_dtype = dtype
+    cpu = features.cpu_info()
+    if dtype == torch.bfloat16 and not cpu.native_bf16:
+        compute_dtype = torch.float32
+        linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(model)
+    else:
+        linears = pack_linears_for_cpu(model) or "plain torch matmuls"
+    fused = use_fused_cpu_kernels(model, compute_dtype) > 0
+    paged.use_cpu_attention(attention.kernel)
+    log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s", linears,
+             "fused C" if fused else "torch operators", paged.prepare_cpu_attention(compute_dtype, dtype))
