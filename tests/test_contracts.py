@@ -265,3 +265,51 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_cpu_kernels_live_in_one_package():
+    """The worker's CPU kernels are one package, worker_svc/cpu: every C source of the project lies
+    in its csrc/ (which pyproject ships), no module outside it imports its build or reads
+    /proc/cpuinfo itself (they go through it: worker_svc.cpu.features, .prepare, ...), and kvcache
+    gets the CPU attention kernel by registration, never by import. Tests are left out: they test
+    the build itself."""
+    import ast
+    import tomllib
+
+    package = REPO / "worker_svc" / "cpu"
+    roots = ("pagewire", "pagewire_common", "kvcache", "scheduler_svc", "worker_svc")
+    sources = sorted(p.relative_to(REPO).as_posix() for root in roots for p in (REPO / root).rglob("*.c"))
+    assert sources and all(s.startswith("worker_svc/cpu/csrc/") for s in sources), sources
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert package_data.get("worker_svc") == ["cpu/csrc/*.c"], package_data
+
+    for module, deps in _project_imports().items():
+        if module == "worker_svc.cpu" or module.startswith("worker_svc.cpu."):
+            continue
+        assert "worker_svc.cpu.build" not in deps, f"{module} imports the C build; go through worker_svc.cpu"
+        if module.startswith("kvcache"):
+            assert not [d for d in deps if d.startswith("worker_svc")], f"{module} imports the worker: {deps}"
+    # llama.cpp's build key reads the CPU's flags itself (pagewire.bench.llamacpp.cpu_flags): the one
+    # reader left to move onto worker_svc.cpu.features; no new one.
+    own_readers = {REPO / "pagewire/bench/llamacpp.py"}
+    paths = [p for root in roots for p in (REPO / root).rglob("*.py") if not p.is_relative_to(package)]
+    for path in paths + sorted((REPO / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "worker_svc.cpu":
+                assert "build" not in [a.name for a in node.names], f"{path.relative_to(REPO)} imports the C build"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert "worker_svc.cpu.build" not in names, f"{path.relative_to(REPO)} imports the C build"
+            elif isinstance(node, ast.Constant) and node.value == "/proc/cpuinfo" and path not in own_readers:
+                raise AssertionError(f"{path.relative_to(REPO)} reads /proc/cpuinfo: use worker_svc.cpu.features")
+
+
+def test_cpu_features_import_without_torch():
+    """The bench records the host's ISA from worker_svc.cpu.features in a process without torch."""
+    code = (
+        "import sys\n"
+        "import worker_svc.cpu.features, pagewire.bench.report\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
