@@ -12,7 +12,7 @@ from typing import Sequence as Seq
 from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import RequestOutput, Usage
 from pagewire_common.sampling import SamplingParams
-from pagewire_common.settings import SETTING_NAMES, Settings
+from pagewire_common.settings import OFFLINE_SETTING_NAMES, SETTING_NAMES, Settings
 from scheduler_svc.api.text_stream import OutputProcessor
 from scheduler_svc.api.tokenizer import Tokenizer
 from scheduler_svc.core.config import SchedulerConfig
@@ -69,6 +69,10 @@ class LLM:
         unknown = sorted(set(settings) - SETTING_NAMES)
         if unknown:
             raise TypeError(f"LLM() got unknown settings {unknown}; see pagewire_common.settings.Settings")
+        served_only = sorted(set(settings) - OFFLINE_SETTING_NAMES)
+        if served_only:
+            raise TypeError(f"LLM() got settings of the served path only {served_only} (API servers, processes, the "
+                            "core service's event loop); the offline engine takes the worker's and the core's")
         self.settings = Settings.from_kwargs(model=None if model is None else str(model), **settings)
         self.model_dir = resolve_model_path(model)
         self.runner = start_runner(self.model_dir, self.settings)

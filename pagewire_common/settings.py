@@ -301,6 +301,10 @@ def _check_ranks(settings: "Settings") -> None:
 
 
 SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings))
+# what the offline engine (``pagewire.LLM``: the worker and the engine core in one process, no
+# event loop) takes: the worker's and the core's settings, less the core service's admission turns
+OFFLINE_SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings)
+                                  if {WORKER, CORE} & set(f.metadata["scope"])) - {"admission_turns"}
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 

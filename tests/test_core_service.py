@@ -333,7 +333,7 @@ def test_refusals_come_back_on_the_stream_with_their_status():
         client = service.open_client()
         ok = SamplingParams(max_tokens=50, ignore_eos=True)
         received = Received(service)
-        collector = asyncio.ensure_future(received.collect(client, 4))
+        collector = asyncio.ensure_future(received.collect(client, 5))
         service.apply(client, _requests(client, adds=[_add(1, [1, 2, 3], ok)]))
         for _ in range(10):
             await asyncio.sleep(0)  # 1 runs
@@ -341,8 +341,10 @@ def test_refusals_come_back_on_the_stream_with_their_status():
             _add(2, [1, 2, 3], ok),  # waits
             _add(3, [1, 2, 3], ok),  # the queue is full
             _add(4, [1, VOCAB + 5], ok),  # outside the vocabulary
-            _add(2, [4, 5], ok),  # the same rid again
+            _add(2, [4, 5], ok),  # the same id again
         ]))
+        # an id whose high half names another API server
+        service.apply(client, CoreRequests(adds=[NewRequest(first_request_id(client.api_server_id + 1), [1, 2], ok)]))
         await asyncio.wait_for(collector, 30)
         while service.engine.has_unfinished() or received.tokens.get(2, []) == [] or 2 not in received.finished:
             more = Received(service)
@@ -358,11 +360,13 @@ def test_refusals_come_back_on_the_stream_with_their_status():
     received, stats = asyncio.run(main())
     codes = {rid: grpc.StatusCode.__members__[name] for rid, (code, _) in received.errors.items()
              for name, member in grpc.StatusCode.__members__.items() if member.value[0] == code}
+    foreign = 1 << 32  # first_request_id(server + 1) - first_request_id(server)
     assert codes == {3: grpc.StatusCode.RESOURCE_EXHAUSTED, 4: grpc.StatusCode.INVALID_ARGUMENT,
-                     2: grpc.StatusCode.ALREADY_EXISTS}
+                     2: grpc.StatusCode.ALREADY_EXISTS, foreign: grpc.StatusCode.INVALID_ARGUMENT}
     assert "outside the vocabulary" in received.errors[4][1]
+    assert "does not belong to API server" in received.errors[foreign][1]
     assert received.tokens[1] == reference_tokens([1, 2, 3], 50)
-    assert stats["num_requests_rejected"] == 3
+    assert stats["num_requests_rejected"] == 4
 
 
 def test_a_lost_worker_fails_every_request_with_unavailable():

@@ -247,7 +247,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self.num_rejected += 1
             client.error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
-        limit = self.settings.max_queued_requests
+        limit = engine.config.max_queued_requests
         if engine.scheduler.num_waiting >= limit:
             self.num_rejected += 1
             client.error(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -1,0 +1,63 @@
+"""The API server <-> core messages survive their packing exactly (pagewire_common.core_messages)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pagewire_common.core_messages import (
+    BadRequest,
+    CoreError,
+    CoreOutputs,
+    CoreRequests,
+    NewRequest,
+    api_server_of,
+    first_request_id,
+)
+from pagewire_common.requests import FinishReason
+from pagewire_common.sampling import SamplingParams
+from pagewire_common.v1 import core_pb2, generation_pb2
+
+
+def test_requests_round_trip():
+    base = first_request_id(7)
+    sent = CoreRequests(
+        adds=[NewRequest(base, [1, 2, 3], SamplingParams(temperature=0.5, max_tokens=9, n=2, seed=4)),
+              NewRequest(base + 2, [9], SamplingParams(stop=["x"], logprobs=True))],
+        abort_ids=[base + 5, base + 6], stop_ids=[base + 8], num_rejected=3, ready=True, num_outputs_done=11)
+    got = CoreRequests.from_bytes(sent.to_bytes())
+    assert got == sent
+    assert api_server_of(np.array([base, base + 2])).tolist() == [7, 7]
+
+
+def test_an_add_whose_sampling_does_not_decode_becomes_a_bad_request():
+    msg = core_pb2.CoreRequests(adds=[core_pb2.CoreAdd(request_id=5, sampling=generation_pb2.SamplingParams(top_p=7.0))])
+    (add,) = CoreRequests.from_bytes(msg.SerializeToString()).adds
+    assert isinstance(add, BadRequest) and add.request_id == 5 and "top_p" in add.message
+
+
+def test_outputs_round_trip():
+    sent = CoreOutputs(
+        request_ids=np.array([5, 6, 5], dtype=np.int64), token_ids=np.array([10, 11, 12], dtype=np.int32),
+        logprobs=np.array([-0.5, math.nan, -1.25], dtype=np.float32),
+        top_token_ids=np.array([[1, 2], [3, 0], [4, 5]], dtype=np.int32),
+        top_logprobs=np.array([[-0.1, -0.2], [-0.3, math.nan], [-0.4, -0.5]], dtype=np.float32),
+        finished_ids=[5], finish_reasons=[FinishReason.LENGTH], started_ids=[6], num_cached_prompt_tokens=[32],
+        errors=[CoreError(9, 14, "gone")], has_worker_state=True, worker_connected=True, worker_generation=3,
+        api_server_id=2)
+    got = CoreOutputs.from_bytes(sent.to_bytes())
+    assert got.request_ids.tolist() == [5, 6, 5] and got.token_ids.tolist() == [10, 11, 12]
+    np.testing.assert_array_equal(got.logprobs, sent.logprobs)
+    np.testing.assert_array_equal(got.top_token_ids, sent.top_token_ids)
+    np.testing.assert_array_equal(got.top_logprobs, sent.top_logprobs)
+    assert (got.finished_ids, got.finish_reasons) == ([5], [FinishReason.LENGTH])
+    assert (got.started_ids, got.num_cached_prompt_tokens) == ([6], [32])
+    assert got.errors == [CoreError(9, 14, "gone")]
+    assert (got.has_worker_state, got.worker_connected, got.worker_generation, got.api_server_id) == (True, True, 3, 2)
+    assert got.has_tokens
+
+
+def test_a_message_without_tokens_does_not_count_for_backpressure():
+    got = CoreOutputs.from_bytes(CoreOutputs(errors=[CoreError(1, 3, "bad")]).to_bytes())
+    assert not got.has_tokens and got.logprobs is None and got.top_token_ids is None
