@@ -52,9 +52,10 @@ _NO_COPIES: list[tuple[int, int]] = []
 
 
 class BlockAllocator:
-    """Fixed pool of ``num_blocks`` KV-cache blocks of ``block_size`` tokens each."""
+    """Fixed pool of ``num_blocks`` KV-cache blocks of ``block_size`` tokens each (the engine
+    passes the settings' values: no default here to drift from theirs)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:

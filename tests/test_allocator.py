@@ -69,10 +69,10 @@ def fork(allocator: BlockAllocator, parent_seq_id: int, child_seq_id: int) -> No
 
 def test_constructor_validates():
     with pytest.raises(ValueError):
-        BlockAllocator(0)
+        BlockAllocator(0, 16, True)
     with pytest.raises(ValueError):
-        BlockAllocator(4, block_size=0)
-    allocator = BlockAllocator(3)
+        BlockAllocator(4, 0, True)
+    allocator = BlockAllocator(3, 16, True)
     assert (allocator.num_blocks, allocator.block_size, allocator.enable_prefix_caching) == (3, 16, True)
     assert allocator.num_blocks_for(0) == 0
     assert allocator.num_blocks_for(1) == 1
@@ -468,7 +468,7 @@ def _corrupt_block_table(allocator: BlockAllocator) -> None:
     ],
 )
 def test_check_integrity_detects_corruption(corrupt, message):
-    allocator = BlockAllocator(8, block_size=BS)
+    allocator = BlockAllocator(8, BS, True)
     prompt = tokens(0, 5)
     allocator.allocate(1, prompt)  # [0, 1]
     allocator.cache_blocks(1, prompt, 5)
@@ -485,7 +485,7 @@ def test_randomized_stress_against_simulated_kv_cache():
     land in a shared or hashed block."""
     rng = random.Random(1234)
     num_blocks = 24
-    allocator = BlockAllocator(num_blocks, block_size=BS)
+    allocator = BlockAllocator(num_blocks, BS, True)
     kv: list[list[int | None]] = [[None] * BS for _ in range(num_blocks)]  # token in each slot
     bases = [[rng.randrange(3) for _ in range(20)] for _ in range(4)]  # shared prefixes
     seq_tokens: dict[int, list[int]] = {}

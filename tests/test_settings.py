@@ -131,9 +131,6 @@ def test_component_configs_take_their_defaults_and_checks_from_the_settings():
 
 
 # repeated defaults in files whose owners have not derived them yet: (path, name)
-_REPEATED_DEFAULTS_LEFT = {("kvcache/allocator.py", "block_size"), ("kvcache/allocator.py", "enable_prefix_caching")}
-
-
 def test_no_default_is_repeated_as_a_literal():
     """A keyword argument or config field named like a setting or a SamplingParams field takes its
     default from the declaration (``default_of``, ``DEFAULT_SAMPLING``), not from a copy of the
@@ -176,7 +173,7 @@ def test_no_default_is_repeated_as_a_literal():
                         continue  # not a literal: derived, or computed
                     if literal and any(type(literal) is type(d) and literal == d for d in declared[name]):
                         repeated.add((where, name))
-    assert repeated <= _REPEATED_DEFAULTS_LEFT, sorted(repeated - _REPEATED_DEFAULTS_LEFT)
+    assert not repeated, sorted(repeated)
 
 
 def test_llm_takes_the_settings_as_keywords(tiny_model_dir):
