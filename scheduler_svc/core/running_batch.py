@@ -1,145 +1,158 @@
-"""The running sequences' hot state as flat arrays, one row (a *slot*) per sequence.
+"""The scheduler's per-sequence counters, one row (a *slot*) per sequence it holds, as columns of
+flat arrays; and the vectorised decode path over them.
 
-A steady decode moves every running sequence by one token per step. Kept on ``Sequence`` objects,
-that is a Python loop over objects per token in the schedule, the update and the delivery; here it
-is a few numpy operations per step over these arrays, and only the unusual sequences (a new block,
-a prompt chunk, a stop, logprobs) take the per-sequence path.
+These arrays are the only home of a sequence's progress: ``Scheduler`` reads and writes a row as
+``batch.computed[seq.slot]`` (memoryviews of the arrays, which give Python ints), and the
+vectorised path below reads and writes many rows at once. A steady decode moves every running
+sequence by one token per step; with many of them, a loop over rows per step in the schedule and
+again in the result costs more than a few numpy operations, so rows that do the common thing (a
+*plain decode*, a *plain token*) are taken over the arrays and only the others one by one. Both
+give the same plans, tokens and allocator state (tests/test_running_batch.py drives random
+workloads both ways and compares every step).
 
-Invariants:
+Columns, per slot:
 
-- a sequence is in a slot exactly while it is in ``Scheduler.running``: ``seqs[slot] is seq`` and
-  ``seq.slot == slot``; ``order()`` lists the slots in the order of ``Scheduler.running``;
-- while a sequence is in a slot, its counters live here, not on the object (``Sequence``'s
-  properties read and write them): ``computed`` (num_computed_tokens), ``pending``
-  (num_pending_tokens), ``slot_tokens`` (num_slot_tokens), ``hashed`` (num_hashed_blocks);
-- ``known[slot] == len(seqs[slot].token_ids)`` and ``token_lists[slot] is seqs[slot].token_ids``;
-- ``limit[slot] == allocator.growth_limit(seq_id)``: a decode whose new token fits under it needs
-  no block; the scheduler refreshes it after each ``append_slots`` of that sequence;
-- ``max_tokens``, ``num_prompt`` and ``slow_update`` do not change while running;
-- a slot freed by ``remove`` is reused only after the next ``order()``, so a slot never appears
-  twice in one step's arrays.
+- ``computed``: tokens whose K/V the worker has written, or will have written once the plans
+  already sent run: it advances when a step is *scheduled*, not when its result arrives, so the
+  next plan can be built before the previous result is back;
+- ``pending``: tokens sampled by steps whose results have not arrived yet (the worker knows them,
+  the scheduler does not yet);
+- ``known``: tokens received, ``len(seq.token_ids)`` (whoever appends a token counts it here);
+- ``slot_tokens``: how many tokens the allocator holds slots for (its length of the sequence);
+- ``hashed``: full blocks already offered to the prefix cache;
+- ``limit``: while running, ``allocator.growth_limit(seq_id)``: a token below it needs no block
+  (the scheduler sets it when the sequence starts running and after each ``append_slots``);
+- copies of what does not change while the sequence is held, for the array path: ``seq_id``,
+  ``max_tokens`` (``seq.max_num_tokens``), ``num_prompt`` and ``slow_apply`` (it asked for
+  logprobs, which only the per-sequence path records).
+
+A sequence holds its slot from ``Scheduler.add`` (or its fork) until it finishes, waiting or
+running. A slot freed by ``remove`` is reused only from the next ``recycle`` (each schedule), so
+a ``StepTokens`` stays valid until then.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
+from kvcache.allocator import BlockAllocator
+from pagewire_common.plan import StepResult
 from scheduler_svc.core.sequence import Sequence
 
-_INT_FIELDS = ("seq_id", "computed", "pending", "known", "slot_tokens", "hashed", "limit", "max_tokens",
-               "num_prompt")
-# the counters a Sequence keeps in its slot while it runs: its own attribute -> the array here
-COUNTERS = {"_num_computed_tokens": "computed", "_num_pending_tokens": "pending",
-            "_num_slot_tokens": "slot_tokens", "_num_hashed_blocks": "hashed"}
+# from this many running sequences (or results) on, a step takes its plain decodes (and plain
+# tokens) over the arrays: below it, the array operations' fixed cost is more than they save
+FAST_DECODE_MIN_ROWS = 64
+
+_COLUMNS = ("seq_id", "computed", "pending", "known", "slot_tokens", "hashed", "limit", "max_tokens", "num_prompt",
+            "slow_apply")
+_slot_of = attrgetter("slot")
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+def _no_rows() -> np.ndarray:
+    return _NO_ROWS
+
+
+class _Arrays:
+    """The columns as numpy arrays, for the array path."""
+
+    __slots__ = _COLUMNS
 
 
 class RunningBatch:
-    """The slots of the running sequences (the module docstring states the invariants). Grows by
-    doubling; ``Scheduler`` adds a sequence when it starts running and removes it when it stops."""
+    """The rows of the sequences the scheduler holds (the module docstring lists the columns).
+    ``computed``, ``pending``, ... are memoryviews, indexed by slot; ``seqs[slot]`` is the sequence
+    in a slot and ``token_lists[slot]`` its ``token_ids``. Grows by doubling."""
 
     def __init__(self, capacity: int = 64):
         self.capacity = 0
+        self.seqs: list[Sequence | None] = []
+        self.token_lists: list[list[int] | None] = []
+        self._arrays = _Arrays()
+        self._alive = np.zeros(0, dtype=bool)
+        self._free: list[int] = []  # popped from the end: lowest slot first
         self._grow(capacity)
+        # every token id that ends some sequence held so far (sorted): a plain token is outside it
+        # (it only grows: a stale id sends a few tokens down the per-sequence path)
+        self._stop_ids: set[int] = set()
+        self._stop_id_array = np.zeros(0, dtype=np.int64)
         self.reset()
 
     def reset(self) -> None:
-        """Detach every sequence (their counters go back to the objects) and free every slot."""
-        for seq in getattr(self, "seqs", ()):
+        """Forget every sequence and free every slot."""
+        for seq in self.seqs:
             if seq is not None:
-                self._detach(seq)
-        self.seqs: list[Sequence | None] = [None] * self.capacity
-        self.token_lists: list[list[int] | None] = [None] * self.capacity
-        self.alive[:] = False
-        self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: lowest first
-        self._released: list[int] = []  # freed this step: reusable after the next order()
-        self._order = np.zeros(0, dtype=np.int64)
-        self._appended: list[int] = []
-        self._order_dirty = False
+                seq.slot = -1
+        self.seqs[:] = [None] * self.capacity
+        self.token_lists[:] = [None] * self.capacity
+        self._alive[:] = False
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._released: list[int] = []  # freed since the last recycle()
         self._lookup: tuple[np.ndarray, np.ndarray] | None = None
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
-        for name in _INT_FIELDS:
+        for name in _COLUMNS:
             array = np.zeros(capacity, dtype=np.int64)
             if old:
-                array[:old] = getattr(self, name)
-            setattr(self, name, array)
-        for name in ("alive", "slow_update"):
-            array = np.zeros(capacity, dtype=bool)
-            if old:
-                array[:old] = getattr(self, name)
-            setattr(self, name, array)
-        # Python-int views (``<name>_view``) for the per-sequence path, Sequence's properties among
-        # them: indexing a numpy array gives numpy ints, and costs three times as much
-        for name in _INT_FIELDS:
-            setattr(self, f"{name}_view", memoryview(getattr(self, name)))
-        if old:
-            self.seqs.extend([None] * (capacity - old))
-            self.token_lists.extend([None] * (capacity - old))
-            self._free[:0] = range(capacity - 1, old - 1, -1)
+                array[:old] = getattr(self._arrays, name)
+            setattr(self._arrays, name, array)
+            setattr(self, name, memoryview(array))
+        alive = np.zeros(capacity, dtype=bool)
+        alive[:old] = self._alive
+        self._alive = alive
+        self.seqs.extend([None] * (capacity - old))
+        self.token_lists.extend([None] * (capacity - old))
+        self._free[:0] = range(capacity - 1, old - 1, -1)
         self.capacity = capacity
 
     # ---- membership ---------------------------------------------------------------------
 
-    def add(self, seq: Sequence, growth_limit: int) -> None:
-        """Give a sequence that starts running a slot (at the end of the running order); its
-        counters move here."""
+    def add(self, seq: Sequence) -> int:
+        """Give a sequence the scheduler takes on a row, its counters at 0; returns its slot."""
         if not self._free:
             self._grow(2 * self.capacity)
         slot = self._free.pop()
-        for attr, name in COUNTERS.items():
-            getattr(self, f"{name}_view")[slot] = getattr(seq, attr)
-        self.seq_id_view[slot] = seq.seq_id
-        self.known_view[slot] = len(seq.token_ids)
-        self.limit_view[slot] = growth_limit
-        self.max_tokens_view[slot] = seq.max_num_tokens
-        self.num_prompt_view[slot] = seq.num_prompt_tokens
-        self.slow_update[slot] = bool(seq.sampling.logprobs or seq.sampling.top_logprobs)
-        self.alive[slot] = True
+        self.seq_id[slot] = seq.seq_id
+        self.known[slot] = len(seq.token_ids)
+        self.max_tokens[slot] = seq.max_num_tokens
+        self.num_prompt[slot] = seq.num_prompt_tokens
+        self.slow_apply[slot] = 1 if seq.sampling.logprobs or seq.sampling.top_logprobs else 0
+        self.computed[slot] = self.pending[slot] = self.slot_tokens[slot] = self.hashed[slot] = self.limit[slot] = 0
+        self._alive[slot] = True
         self.seqs[slot] = seq
         self.token_lists[slot] = seq.token_ids
         seq.slot = slot
-        seq.batch = self
-        self._appended.append(slot)
         self._lookup = None
+        if not seq.stop_token_set <= self._stop_ids:
+            self._stop_ids |= seq.stop_token_set
+            self._stop_id_array = np.array(sorted(self._stop_ids), dtype=np.int64)
+        return slot
 
     def remove(self, seq: Sequence) -> None:
-        """The sequence stops running: its counters go back to the object, its slot is freed."""
+        """The scheduler lets go of the sequence: its slot is free from the next ``recycle``."""
         slot = seq.slot
-        self._detach(seq)
-        self.alive[slot] = False
+        seq.slot = -1
+        self._alive[slot] = False
         self.seqs[slot] = None
         self.token_lists[slot] = None
         self._released.append(slot)
-        self._order_dirty = True
         self._lookup = None
 
-    def _detach(self, seq: Sequence) -> None:
-        slot = seq.slot
-        seq.slot = -1
-        seq.batch = None
-        for attr, name in COUNTERS.items():
-            setattr(seq, attr, getattr(self, f"{name}_view")[slot])
-
-    def order(self) -> np.ndarray:
-        """The slots in running order (int64). Call once per step, before reading rows."""
-        if self._appended:
-            self._order = np.concatenate((self._order, np.asarray(self._appended, dtype=np.int64)))
-            self._appended = []
-        if self._order_dirty:
-            self._order = self._order[self.alive[self._order]]
-            self._order_dirty = False
+    def recycle(self) -> None:
+        """Make the slots freed since the last call available again (once per step)."""
+        if self._released:
             self._free.extend(self._released)
             self._released = []
-        return self._order
 
     def slots_of(self, seq_ids: np.ndarray) -> np.ndarray:
-        """The slot of each sequence id, -1 for ids not running."""
+        """The slot of each sequence id, -1 for ids not held."""
         if self._lookup is None:
-            live = self.alive.nonzero()[0]
-            ids = self.seq_id[live]
+            live = self._alive.nonzero()[0]
+            ids = self._arrays.seq_id[live]
             by_id = np.argsort(ids)
             self._lookup = (ids[by_id], live[by_id])
         ids, slots = self._lookup
@@ -148,34 +161,128 @@ class RunningBatch:
         at = np.minimum(np.searchsorted(ids, seq_ids), len(ids) - 1)
         return np.where(ids[at] == seq_ids, slots[at], -1)
 
-    def check(self, running: list[Sequence]) -> None:
-        """Assert the invariants that tie the arrays to ``running`` (tests call this)."""
-        order = self.order().tolist()
-        assert [self.seqs[slot] for slot in order] == running, "slot order differs from the running list"
-        assert int(self.alive.sum()) == len(running), "a slot is alive with no running sequence"
-        for slot in order:
-            seq = self.seqs[slot]
-            assert seq.slot == slot and seq.batch is self
-            assert self.known[slot] == len(seq.token_ids) and self.token_lists[slot] is seq.token_ids
-            assert self.seq_id[slot] == seq.seq_id
+    def check(self, held: list[Sequence]) -> None:
+        """Assert that the rows are those of ``held`` (every sequence the scheduler holds) and
+        agree with them (tests call this)."""
+        assert int(self._alive.sum()) == len(held), "a slot is alive for no sequence the scheduler holds"
+        for seq in held:
+            slot = seq.slot
+            assert slot >= 0 and self.seqs[slot] is seq and self._alive[slot]
+            assert self.seq_id[slot] == seq.seq_id and self.known[slot] == len(seq.token_ids)
+            assert self.token_lists[slot] is seq.token_ids
+
+    # ---- the array path -----------------------------------------------------------------
+
+    def plain_decodes(self, running: list[Sequence], offer_block_size: int) -> PlainDecodes:
+        """Sort this step's running rows (``running``, in running order) out over the arrays, as
+        ``Scheduler._schedule_row`` would decide them: rows that get nothing; *plain decodes*,
+        whose next token fits under their growth limit and (``offer_block_size``: the block size
+        when prefix caching is on, else 0) completes no block, so that the row asks nothing of
+        the allocator but a new length; and the others, which ``Scheduler`` takes one by one."""
+        arrays = self._arrays
+        order = np.fromiter(map(_slot_of, running), dtype=np.int64, count=len(running))
+        computed, pending, known = arrays.computed[order], arrays.pending[order], arrays.known[order]
+        num_tokens = known + pending
+        num_new = num_tokens - computed
+        # nothing to compute, or a token still in flight already ends the sequence (another one
+        # would only be thrown away)
+        idle = (num_new <= 0) | ((pending > 0) & (num_tokens >= arrays.max_tokens[order]))
+        plain = ~idle & (num_new == 1) & (computed < arrays.limit[order])
+        if offer_block_size:
+            plain &= known // offer_block_size <= arrays.hashed[order]
+        others = (~idle & ~plain).nonzero()[0]
+        num_plain_before = np.cumsum(plain, dtype=np.int64) - plain
+        return PlainDecodes(self, order, computed, pending, plain, num_plain_before, others.tolist(),
+                            num_plain_before[others].tolist())
+
+    def take_plain_tokens(self, result: StepResult) -> tuple[StepTokens, list[int]]:
+        """Append the *plain tokens* of a step's result over the arrays: tokens for held sequences
+        that wait for one, that are not their first output token, do not end them (no stop token,
+        not their last) and come without logprobs, as ``Scheduler._apply_token`` would. Returns
+        them as arrays, and the rows of the result left to take one by one."""
+        arrays = self._arrays
+        seq_ids = np.asarray(result.seq_ids, dtype=np.int64)
+        token_ids = np.asarray(result.token_ids, dtype=np.int64)
+        slots = self.slots_of(seq_ids)
+        at = np.maximum(slots, 0)
+        known = arrays.known[at]
+        plain = (slots >= 0) & (arrays.pending[at] > 0) & (known + 1 < arrays.max_tokens[at])
+        # a first output token goes one by one: its delivery says how much of the prompt was cached
+        plain &= (known > arrays.num_prompt[at]) & (arrays.slow_apply[at] == 0)
+        stop_ids = self._stop_id_array  # sorted; searchsorted is cheaper than np.isin
+        if len(stop_ids):
+            plain &= stop_ids[np.minimum(np.searchsorted(stop_ids, token_ids), len(stop_ids) - 1)] != token_ids
+        rows = plain.nonzero()[0]
+        slots = slots[rows]
+        tokens = token_ids[rows]
+        arrays.pending[slots] -= 1
+        arrays.known[slots] += 1
+        for _ in map(list.append, map(self.token_lists.__getitem__, slots.tolist()), tokens.tolist()):
+            pass
+        other_rows = [] if len(rows) == len(seq_ids) else (~plain).nonzero()[0].tolist()
+        return StepTokens(self, rows, slots, seq_ids[rows], tokens), other_rows
+
+
+class PlainDecodes:
+    """One step's running rows as ``RunningBatch.plain_decodes`` sorted them. ``others`` are the
+    positions (in running order) of the rows to take one by one, and ``num_plain_before`` how many
+    plain decodes come before each: the step's budget goes to those first. ``commit`` then
+    advances the plain decodes that the rest of the budget reaches."""
+
+    __slots__ = ("batch", "order", "computed", "pending", "plain", "num_plain_before_each", "others",
+                 "num_plain_before")
+
+    def __init__(self, batch: RunningBatch, order: np.ndarray, computed: np.ndarray, pending: np.ndarray,
+                 plain: np.ndarray, num_plain_before_each: np.ndarray, others: list[int],
+                 num_plain_before: list[int]):
+        self.batch = batch
+        self.order = order  # the slots in running order
+        self.computed = computed  # their counters when sorted out (a plain decode's stay so)
+        self.pending = pending
+        self.plain = plain
+        self.num_plain_before_each = num_plain_before_each
+        self.others = others
+        self.num_plain_before = num_plain_before
+
+    def commit(self, end: int, num_tokens: int, allocator: BlockAllocator, positions: list[int],
+               counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Advance the plain decodes that run, one token each: those before position ``end`` (the
+        rows from there on were preempted) that ``num_tokens`` (what the other rows left of the
+        budget) reaches in running order. ``positions`` and ``counts``: the other rows scheduled
+        and their tokens. Returns every row scheduled, in running order, as the plan holds them:
+        sequence ids and tokens."""
+        arrays = self.batch._arrays
+        rows = (self.plain[:end] & (self.num_plain_before_each[:end] < num_tokens)).nonzero()[0]
+        slots = self.order[rows]
+        computed = self.computed[rows] + 1
+        arrays.computed[slots] = computed
+        arrays.pending[slots] = self.pending[rows] + 1  # the worker samples a token this step
+        slot_tokens = np.maximum(arrays.slot_tokens[slots], computed)
+        arrays.slot_tokens[slots] = slot_tokens
+        allocator.grow_in_place_many(arrays.seq_id[slots].tolist(), slot_tokens.tolist())
+        if not positions:
+            return arrays.seq_id[slots], np.ones(len(rows), dtype=np.int64)
+        rows = np.concatenate((rows, positions))
+        by_position = np.argsort(rows, kind="stable")
+        counts = np.concatenate((np.ones(len(slots), dtype=np.int64), counts))[by_position]
+        return arrays.seq_id[self.order[rows[by_position]]], counts
 
 
 @dataclass(slots=True)
 class StepTokens:
-    """The sequences that received a token in one step (one each): the plain decodes as arrays
+    """The sequences that received a token in one step (one each): the plain tokens as arrays
     (``seq_ids`` and ``token_ids``; ``rows``: their rows in the step's result; ``slots`` in
-    ``batch``), which did not finish, asked for no logprobs and got a token that is not their
-    first, and the others as objects with their result rows (finished ones included, with
-    ``finish_reason`` set). The slots are valid until the batch changes (the next ``finish`` or
-    ``schedule``)."""
+    ``batch``), which did not finish, asked for no logprobs and are not a first output token, and
+    the others as objects with their result rows (finished ones included, with ``finish_reason``
+    set). The slots are valid until the next schedule."""
 
     batch: RunningBatch
-    rows: np.ndarray
-    slots: np.ndarray
-    seq_ids: np.ndarray
-    token_ids: np.ndarray
-    other_rows: list[int]
-    others: list[Sequence]
+    rows: np.ndarray = field(default_factory=_no_rows)
+    slots: np.ndarray = field(default_factory=_no_rows)
+    seq_ids: np.ndarray = field(default_factory=_no_rows)
+    token_ids: np.ndarray = field(default_factory=_no_rows)
+    other_rows: list[int] = field(default_factory=list)
+    others: list[Sequence] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.others)

@@ -1,41 +1,53 @@
 """Continuous batching: which sequences advance in the next step, and by how many tokens.
 
-There is no prefill or decode mode. Every sequence has ``num_computed_tokens`` catching up with
-``num_tokens``; a step gives each scheduled sequence a slice of the token budget: one token for
-a decode, a chunk for a prompt (chunked prefill), running sequences first so decodes keep
-flowing while long prompts are split across steps (and, with prefill pacing, spread over the
-steps that follow so that each costs about the same). Admission is first come, first served and
-limited by free KV blocks; when running sequences run out of blocks, the newest is preempted
-(its blocks freed, recomputed later from its tokens).
+There is no prefill or decode mode. Every sequence has a count of computed tokens catching up
+with its tokens; a step gives each scheduled sequence a slice of the token budget: one token for
+a decode, a chunk for a prompt (chunked prefill), running sequences first so decodes keep flowing
+while long prompts are split across steps (and, with prefill pacing, spread over the steps that
+follow so that each costs about the same). Admission is first come, first served and limited by
+free KV blocks; when running sequences run out of blocks, the newest is preempted (its blocks
+freed, recomputed later from its tokens).
+
+A sequence's counters live in the ``RunningBatch`` (``self.batch``), in its row ``seq.slot``; the
+``Sequence`` holds its tokens and what does not change while it runs.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
-from kvcache.allocator import AppendResult, BlockAllocator
+from kvcache.allocator import BlockAllocator
 from pagewire_common.plan import NewSequence, StepPlan, StepResult
 from pagewire_common.requests import FinishReason
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.running_batch import RunningBatch, StepTokens
-from scheduler_svc.core.running_step import FAST_DECODE_MIN_ROWS, RunningStep
+from scheduler_svc.core.running_batch import FAST_DECODE_MIN_ROWS, RunningBatch, StepTokens
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
 
-_NO_GROWTH = AppendResult(block_table_start=0, block_ids=[], copies=[])
-_NO_ROWS = np.zeros(0, dtype=np.int64)
 # the smallest prompt share of a paced step: short prompts go through in one step
 PACING_MIN_TOKENS = 16
 
 
-class Scheduler(RunningStep):
-    """Owns the waiting/running queues and the block allocator; builds step plans.
+@dataclass(slots=True)
+class StepBudget:
+    """What is left of the step being scheduled."""
 
-    Call order per step: ``schedule()`` builds a plan (and advances ``num_computed_tokens`` as
-    if it ran); ``update(result)`` appends the sampled tokens and applies stop conditions that
-    depend on tokens only (EOS, stop token ids, max tokens, model length). Stop strings are the
-    caller's business: it calls ``finish()`` when it finds one.
+    tokens: int  # tokens it may still carry
+    prompt_tokens: int  # of which prompt tokens (chunks, recomputes, admissions): prefill pacing
+    preempted: bool = False  # a running sequence was preempted: nothing is admitted
+
+
+class Scheduler:
+    """Owns the waiting/running queues, the sequences' counters (``batch``) and the block
+    allocator; builds step plans.
+
+    Per step: ``schedule()`` builds a plan (and counts its tokens as computed, as if it ran);
+    ``apply_result(result)`` appends the sampled tokens and applies the stop conditions that depend
+    on tokens only (EOS, stop token ids, max tokens, model length). Stop strings are the caller's
+    business: it calls ``finish()`` when it finds one.
     """
 
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, eos_token_ids: tuple[int, ...] = (),
@@ -45,16 +57,11 @@ class Scheduler(RunningStep):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # the running sequences' counters, one slot each, in the order of ``running``
         self.batch = RunningBatch(min(config.max_num_seqs, 1024))
-        # plain decodes scheduled and updated over the batch's arrays (off: every sequence takes
-        # the per-sequence path, which gives the same plans; tests compare the two)
+        # plain decodes and plain tokens over the batch's arrays from fast_decode_min_rows rows on
+        # (off: every row goes one by one, which gives the same plans; tests compare the two)
         self.fast_decode = fast_decode
         self.fast_decode_min_rows = FAST_DECODE_MIN_ROWS
-        # every token id that ends some sequence added so far (sorted): a decode's token outside it
-        # ends none (it only grows: a stale id sends a few tokens down the per-sequence path)
-        self._stop_ids: set[int] = set()
-        self._stop_id_array = np.zeros(0, dtype=np.int64)
         self.seqs: dict[int, Sequence] = {}
         self._next_step_id = 0
         # sequences the worker holds state for that must be dropped in the next plan
@@ -76,13 +83,13 @@ class Scheduler(RunningStep):
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
         seq.status = SequenceStatus.WAITING
-        self._add_stops(seq)
-        self.seqs[seq.seq_id] = seq
+        self._hold(seq)
         self.waiting.append(seq)
         if seq.unforked_samples:
             self._parents.append(seq)
 
-    def _add_stops(self, seq: Sequence) -> None:
+    def _hold(self, seq: Sequence) -> int:
+        """Take a sequence on: its stop conditions, and its row in the batch (returned)."""
         params = seq.sampling
         stops = frozenset(params.stop_token_ids)
         structured = params.structured_output is not None
@@ -92,9 +99,8 @@ class Scheduler(RunningStep):
         seq.end_token_set = self.eos_token_ids if structured else frozenset()
         seq.max_num_tokens = min(seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len)
         seq.min_num_tokens = seq.num_prompt_tokens + params.min_tokens
-        if not seq.stop_token_set <= self._stop_ids:
-            self._stop_ids |= seq.stop_token_set
-            self._stop_id_array = np.array(sorted(self._stop_ids), dtype=np.int64)
+        self.seqs[seq.seq_id] = seq
+        return self.batch.add(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence now (stop condition, stop string, abort): free or cache its blocks and
@@ -105,10 +111,11 @@ class Scheduler(RunningStep):
             self._forked.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.batch.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq.seq_id in self.seqs:
             self.waiting.remove(seq)
         self._release(seq)
+        if seq.slot >= 0:
+            self.batch.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.seqs.pop(seq.seq_id, None)
@@ -140,8 +147,8 @@ class Scheduler(RunningStep):
         self._forked = []
         self._parents = []
         self.running.clear()
-        self.batch.reset()
         self.waiting.clear()
+        self.batch.reset()
         self.seqs.clear()
         self._dropped_seq_ids.clear()
         self.allocator.reset()
@@ -150,166 +157,216 @@ class Scheduler(RunningStep):
     # ---- one step -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        """The next step: running sequences first, oldest first (decodes and the rest of chunked
+        prompts), then forked samples, then waiting sequences, first come first served."""
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
-        budget = self.config.max_num_batched_tokens
-        allocator = self.allocator
+        self.batch.recycle()
+        tokens = self.config.max_num_batched_tokens
         # prompt tokens (chunks and admissions) this step may carry: the whole budget, unless
         # pacing spreads them out while decodes are running
-        prefill_left = self._prefill_allowance() if self.config.prefill_pacing_steps else budget
+        budget = StepBudget(tokens, self._prefill_allowance() if self.config.prefill_pacing_steps else tokens)
+        self._schedule_running(plan, budget)
+        # forked samples start after the loop above, which must not schedule them twice
+        self._start_forked(plan, budget)
+        if not budget.preempted:
+            self._admit(plan, budget)
+        self._fork_samples()
+        plan.finished_seq_ids = self._dropped_seq_ids
+        self._dropped_seq_ids = []
+        return plan
 
-        # Running sequences first, oldest first: decodes and the rest of chunked prompts.
-        self._prefill_left = prefill_left
-        self._preempted = False
-        budget = self._schedule_running(plan, budget)
-        prefill_left, preempted = self._prefill_left, self._preempted
+    def _schedule_running(self, plan: StepPlan, budget: StepBudget) -> None:
+        """Give the running sequences their slices of the step in running order, each as
+        ``_schedule_row`` decides. With ``fast_decode_min_rows`` running or more, the plain decodes
+        among them (one token that fits in the sequence's blocks and completes no block) are found
+        and advanced over the batch's arrays, which gives what ``_schedule_row`` would, and only
+        the other rows go through it, in the same order (an allocation may evict a cached block
+        whose hash a later row offers again)."""
         running = self.running
+        decodes = None
+        if self.fast_decode and len(running) >= self.fast_decode_min_rows:
+            decodes = self.batch.plain_decodes(running, self._block_size if self._caching else 0)
+            rows = zip(decodes.others, decodes.num_plain_before)
+        else:
+            rows = zip(range(len(running)), repeat(0))
+        positions: list[int] = []  # the rows scheduled here, as positions in running...
+        counts: list[int] = []  # ...and their tokens
+        for pos, num_plain_before in rows:
+            if pos >= len(running):
+                break  # preempted, with every row after it
+            tokens = budget.tokens - num_plain_before  # the plain decodes before it come first
+            if tokens <= 0:
+                break
+            # its row in the plan: every plain decode before it runs
+            num_new = self._schedule_row(running[pos], tokens, budget, plan, len(positions) + num_plain_before)
+            if num_new:
+                positions.append(pos)
+                counts.append(num_new)
+                budget.tokens -= num_new
+        if decodes is None:
+            plan.running_seq_ids = np.array([running[pos].seq_id for pos in positions], dtype=np.int64)
+            plan.running_num_scheduled_tokens = np.array(counts, dtype=np.int64)
+        else:
+            seq_ids, counts = decodes.commit(len(running), budget.tokens, self.allocator, positions, counts)
+            budget.tokens -= len(seq_ids) - len(positions)
+            plan.running_seq_ids, plan.running_num_scheduled_tokens = seq_ids, counts
 
-        # Forked samples start (one token each; after the loop above, which must not schedule them
-        # twice), then waiting sequences are admitted, first come first served, unless we just had
-        # to preempt.
-        if self._forked:
-            budget -= self._start_forked(plan)
-        while (
-            not preempted
-            and self.waiting
-            and min(budget, prefill_left) > 0
-            and len(running) < self.config.max_num_seqs
-        ):
+    def _schedule_row(self, seq: Sequence, tokens: int, budget: StepBudget, plan: StepPlan, plan_row: int) -> int:
+        """How many tokens a running sequence computes in this step, at most ``tokens`` (> 0); its
+        new blocks go into ``plan`` as row ``plan_row``. When blocks run out it preempts the newest
+        running sequences, maybe ``seq`` itself (then 0, and ``seq`` is waiting)."""
+        batch, slot = self.batch, seq.slot
+        computed, pending = batch.computed[slot], batch.pending[slot]
+        num_tokens = batch.known[slot] + pending
+        num_new = num_tokens - computed
+        if num_new <= 0 or (pending and num_tokens >= seq.max_num_tokens):
+            return 0  # nothing to compute, or a token in flight already ends the sequence
+        if num_new > 1:  # a prompt chunk (or a recompute after preemption), not a decode
+            num_new = min(num_new, tokens, budget.prompt_tokens)
+            if num_new <= 0:
+                return 0
+            budget.prompt_tokens -= num_new
+        target = computed + num_new
+        if target <= batch.limit[slot]:  # its blocks hold it
+            if target > batch.slot_tokens[slot]:
+                self.allocator.grow_in_place(seq.seq_id, target)
+                batch.slot_tokens[slot] = target
+        else:
+            while not self._grow(seq, target, plan, plan_row):
+                # out of blocks: preempt the newest running sequence (maybe this one)
+                budget.preempted = True
+                if self._preempt_newest() is seq:
+                    return 0
+        self._advance(seq, num_new)
+        return num_new
+
+    def _grow(self, seq: Sequence, target: int, plan: StepPlan, plan_row: int) -> bool:
+        """Blocks for a running sequence to hold ``target`` tokens, past its growth limit: new
+        blocks, and a private copy of its last block if that is shared; the change goes into
+        ``plan`` as row ``plan_row``. False, with nothing changed, when too few blocks are free."""
+        allocator, batch, slot = self.allocator, self.batch, seq.slot
+        limit = batch.limit[slot]
+        if target == limit + 1 == batch.slot_tokens[slot] + 1 and limit % self._block_size == 0:
+            # its blocks are all full: the next token takes a fresh one (append_slots would do
+            # the same, at four times the cost)
+            block_id = allocator.append_block(seq.seq_id)
+            if block_id is None:
+                return False
+            plan.block_updates.append((plan_row, limit // self._block_size, [block_id]))
+            batch.limit[slot] = limit + self._block_size
+        else:
+            growth = allocator.append_slots(seq.seq_id, target)
+            if growth is None:
+                return False
+            plan.block_updates.append((plan_row, growth.block_table_start, growth.block_ids))
+            plan.block_copies.extend(growth.copies)
+            batch.limit[slot] = allocator.growth_limit(seq.seq_id)
+        batch.slot_tokens[slot] = target
+        return True
+
+    def _advance(self, seq: Sequence, num_new: int) -> None:
+        """Count a scheduled slice as computed (the plan is sent before its result arrives)."""
+        batch, slot = self.batch, seq.slot
+        computed = batch.computed[slot] + num_new
+        batch.computed[slot] = computed
+        num_known = batch.known[slot]
+        if computed == num_known + batch.pending[slot]:
+            batch.pending[slot] += 1  # the worker samples a token this step
+        if self._caching:
+            # blocks filled up with tokens the scheduler knows: offer them to the prefix cache
+            num_offered = computed if computed < num_known else num_known
+            if num_offered // self._block_size > batch.hashed[slot]:
+                self.allocator.cache_blocks(seq.seq_id, seq.token_ids, num_offered)
+                batch.hashed[slot] = num_offered // self._block_size
+
+    def _admit(self, plan: StepPlan, budget: StepBudget) -> None:
+        """Waiting sequences start, first come first served, while the budget, ``max_num_seqs``
+        and free blocks allow; the head of the queue is never overtaken."""
+        batch, allocator = self.batch, self.allocator
+        while self.waiting and min(budget.tokens, budget.prompt_tokens) > 0 \
+                and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_pending_tokens:
+            slot = seq.slot
+            if batch.pending[slot]:
                 break  # preempted while a step was in flight: wait for that token first
             allocation = allocator.allocate(seq.seq_id, seq.token_ids)
             if allocation is None:
                 break  # head of line waits for blocks; later arrivals do not overtake it
             self.waiting.popleft()
-            seq.num_computed_tokens = allocation.num_cached_tokens
-            seq.num_slot_tokens = len(seq.token_ids)
+            computed = allocation.num_cached_tokens
+            batch.computed[slot] = computed
+            batch.slot_tokens[slot] = len(seq.token_ids)
             self._start_running(seq)
             if seq.num_cached_prompt_tokens is None:
-                seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
+                seq.num_cached_prompt_tokens = min(computed, seq.num_prompt_tokens)
                 if self._caching:
                     self.num_prefix_queried_tokens += seq.num_prompt_tokens
                     self.num_prefix_hit_tokens += seq.num_cached_prompt_tokens
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill_left)
-            prefill_left -= num_new
+            num_new = min(len(seq.token_ids) - computed, budget.tokens, budget.prompt_tokens)
+            budget.prompt_tokens -= num_new
             plan.block_copies.extend(allocation.copies)
-            plan.new_seqs.append(
-                NewSequence(
-                    seq_id=seq.seq_id,
-                    token_ids=list(seq.token_ids),
-                    block_ids=list(allocation.block_ids),
-                    num_computed_tokens=seq.num_computed_tokens,
-                    num_scheduled_tokens=num_new,
-                    sampling=seq.sampling,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    stop_token_ids=tuple(sorted(seq.stop_token_set)) if seq.sampling.min_tokens else (),
-                )
-            )
-            seq.is_known_to_worker = True
+            plan.new_seqs.append(self._new_sequence(seq, allocation.block_ids, computed, num_new))
             self._advance(seq, num_new)
-            budget -= num_new
+            budget.tokens -= num_new
 
-        for seq in self._parents:
-            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                self._fork(seq)
-        if self._parents:
-            self._parents = [seq for seq in self._parents if seq.unforked_samples]
-        plan.finished_seq_ids = self._dropped_seq_ids
-        self._dropped_seq_ids = []
-        return plan
+    def _new_sequence(self, seq: Sequence, block_ids: list[int], computed: int, num_new: int) -> NewSequence:
+        """A sequence as the worker first sees it (``seq`` becomes known to it)."""
+        seq.is_known_to_worker = True
+        return NewSequence(
+            seq_id=seq.seq_id, token_ids=list(seq.token_ids), block_ids=list(block_ids),
+            num_computed_tokens=computed, num_scheduled_tokens=num_new, sampling=seq.sampling,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            stop_token_ids=tuple(sorted(seq.stop_token_set)) if seq.sampling.min_tokens else (),
+        )
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self.batch.add(seq, self.allocator.growth_limit(seq.seq_id))
+        self.batch.limit[seq.slot] = self.allocator.growth_limit(seq.seq_id)
 
-    def _schedule_one(self, seq: Sequence, budget: int) -> tuple[int, AppendResult] | None:
-        """A running sequence's slice of ``budget`` (> 0), blocks included: (tokens, growth), or
-        None when it gets none. Preempts the newest running sequences when blocks run out, maybe
-        ``seq`` itself (then ``seq`` is no longer running)."""
-        allocator = self.allocator
-        pending = seq.num_pending_tokens
-        num_new = len(seq.token_ids) + pending - seq.num_computed_tokens
-        if num_new == 1:
-            # a decode: its slot exists or fits in its last block
-            computed = seq.num_computed_tokens + 1
-            if computed <= seq.num_slot_tokens or allocator.grow_in_place(seq.seq_id, computed):
-                if computed > seq.num_slot_tokens:
-                    seq.num_slot_tokens = computed
-                self._advance(seq, 1)
-                return 1, _NO_GROWTH
-        if num_new > 1:  # a prompt chunk (or a recompute after preemption), not a decode
-            num_new = min(num_new, budget, self._prefill_left)
-            if num_new <= 0:
-                return None
-            self._prefill_left -= num_new
-        else:
-            num_new = min(num_new, budget)
-        target = seq.num_computed_tokens + num_new
-        if target <= seq.num_slot_tokens:  # a prompt's later chunk: its blocks exist
-            grown = _NO_GROWTH
-        elif allocator.grow_in_place(seq.seq_id, target):  # a decode inside its last block
-            seq.num_slot_tokens = target
-            grown = _NO_GROWTH
-        else:
-            grown = allocator.append_slots(seq.seq_id, target)
-            while grown is None:
-                # Out of blocks: preempt the newest running sequence (maybe this one).
-                victim = self.running[-1]
-                self._preempt(victim)
-                self._preempted = True
-                if victim is seq:
-                    return None
-                grown = allocator.append_slots(seq.seq_id, target)
-            seq.num_slot_tokens = target
-            self.batch.limit_view[seq.slot] = allocator.growth_limit(seq.seq_id)
-        self._advance(seq, num_new)
-        return num_new, grown
-
-    def _fork(self, seq: Sequence) -> None:
-        """n > 1: the plan just built computes the rest of ``seq``'s prompt; its other samples share
-        those blocks (the one holding the last prompt token is copied) and start in the next plan,
-        each recomputing that token to sample its own first one. Samples that find no free block
-        wait for a later step."""
-        waiting = []
-        for sample in seq.unforked_samples:
-            if sample.is_finished:
-                continue  # aborted before it started
-            allocation = self.allocator.fork(seq.seq_id, sample.seq_id, seq.num_prompt_tokens)
-            if allocation is None:
-                waiting.append(sample)
+    def _fork_samples(self) -> None:
+        """n > 1: a sequence whose prompt the plan just built computes shares those blocks with its
+        other samples (the one holding the last prompt token is copied), which start in the next
+        plan, each recomputing that token to sample its own first one. Samples that find no free
+        block wait for a later step."""
+        batch = self.batch
+        for seq in self._parents:
+            if seq.status is not SequenceStatus.RUNNING or batch.computed[seq.slot] < seq.num_prompt_tokens:
                 continue
-            sample.status = SequenceStatus.RUNNING
-            sample.num_computed_tokens = seq.num_prompt_tokens - 1
-            sample.num_slot_tokens = seq.num_prompt_tokens
-            sample.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
-            sample.num_hashed_blocks = min(seq.num_hashed_blocks, len(allocation.block_ids) - 1)
-            sample.fork_allocation = allocation
-            self.seqs[sample.seq_id] = sample
-            self._add_stops(sample)
-            self._forked.append(sample)
-        seq.unforked_samples = waiting
+            waiting = []
+            for sample in seq.unforked_samples:
+                if sample.is_finished:
+                    continue  # aborted before it started
+                allocation = self.allocator.fork(seq.seq_id, sample.seq_id, seq.num_prompt_tokens)
+                if allocation is None:
+                    waiting.append(sample)
+                    continue
+                sample.status = SequenceStatus.RUNNING
+                sample.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+                sample.fork_allocation = allocation
+                slot = self._hold(sample)
+                batch.computed[slot] = seq.num_prompt_tokens - 1
+                batch.slot_tokens[slot] = seq.num_prompt_tokens
+                batch.hashed[slot] = min(batch.hashed[seq.slot], len(allocation.block_ids) - 1)
+                self._forked.append(sample)
+            seq.unforked_samples = waiting
+        if self._parents:
+            self._parents = [seq for seq in self._parents if seq.unforked_samples]
 
-    def _start_forked(self, plan: StepPlan) -> int:
+    def _start_forked(self, plan: StepPlan, budget: StepBudget) -> None:
         """Send the forked samples to the worker: each computes its last prompt token again (in its
-        own copy of that block) and samples. Returns the tokens this takes from the budget."""
+        own copy of that block) and samples."""
         for sample in self._forked:
             allocation = sample.fork_allocation
             sample.fork_allocation = None
             plan.block_copies.extend(allocation.copies)
-            plan.new_seqs.append(NewSequence(
-                seq_id=sample.seq_id, token_ids=list(sample.token_ids), block_ids=list(allocation.block_ids),
-                num_computed_tokens=sample.num_computed_tokens, num_scheduled_tokens=1, sampling=sample.sampling,
-                num_prompt_tokens=sample.num_prompt_tokens,
-                stop_token_ids=tuple(sorted(sample.stop_token_set)) if sample.sampling.min_tokens else (),
-            ))
-            sample.is_known_to_worker = True
+            plan.new_seqs.append(self._new_sequence(sample, allocation.block_ids,
+                                                    self.batch.computed[sample.slot], 1))
             self._start_running(sample)
             self._advance(sample, 1)
-        num = len(self._forked)
+        budget.tokens -= len(self._forked)
         self._forked = []
-        return num
 
     def _prefill_allowance(self) -> int:
         """Prefill pacing: how many prompt tokens the next step may carry.
@@ -321,10 +378,12 @@ class Scheduler(RunningStep):
         costs about the same and decodes see an even inter-token latency, while a backlog that
         grows (load near saturation) raises the share until steps are full again.
         """
+        batch = self.batch
         backlog = 0
         decoding = False
         for seq in self.running:
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            slot = seq.slot
+            remaining = batch.known[slot] + batch.pending[slot] - batch.computed[slot]
             if remaining > 1:
                 backlog += remaining
             elif remaining == 1:
@@ -332,102 +391,57 @@ class Scheduler(RunningStep):
         if not decoding:
             return self.config.max_num_batched_tokens
         for seq in self.waiting:
-            backlog += seq.num_tokens - seq.num_computed_tokens
+            slot = seq.slot
+            backlog += batch.known[slot] + batch.pending[slot] - batch.computed[slot]
         steps = self.config.prefill_pacing_steps
         return max(PACING_MIN_TOKENS, (backlog + steps - 1) // steps)
 
-    def _advance(self, seq: Sequence, num_new: int) -> None:
-        """Count a scheduled slice as computed (the plan is sent before its result arrives)."""
-        computed = seq.num_computed_tokens + num_new
-        seq.num_computed_tokens = computed
-        num_known = len(seq.token_ids)
-        if computed == num_known + seq.num_pending_tokens:
-            seq.num_pending_tokens += 1  # the worker samples a token this step
-        if self._caching and computed // self._block_size > seq.num_hashed_blocks:
-            # a block filled up: offer it to the prefix cache
-            self._offer_blocks(seq, min(computed, num_known))
-
-    def _offer_blocks(self, seq: Sequence, known: int) -> None:
-        """Offer the blocks that the first ``known`` tokens fill to the prefix cache."""
-        if known // self._block_size > seq.num_hashed_blocks:
-            self.allocator.cache_blocks(seq.seq_id, seq.token_ids, known)
-            seq.num_hashed_blocks = known // self._block_size
-
-    def update(self, result: StepResult) -> list[Sequence]:
-        """Apply a step's sampled tokens. Returns the sequences that received a token, in the
-        result's order (finished ones included, with ``finish_reason`` set). Tokens for sequences
-        that finished or were aborted after the plan was sent are dropped."""
-        return self.apply_result(result).sequences()
+    # ---- results ------------------------------------------------------------------------
 
     def apply_result(self, result: StepResult) -> StepTokens:
-        """``update``, with the plain decodes' tokens left as arrays: a token for a running
-        sequence that does not end it (no stop token, not its last) and asks for no logprobs is
-        appended over the batch's arrays; the rest take the per-sequence path."""
-        batch = self.batch
-        seq_id_list, token_id_list = result.seq_ids, result.token_ids
-        if self.fast_decode and len(seq_id_list) >= self.fast_decode_min_rows:
-            seq_ids = np.asarray(seq_id_list, dtype=np.int64)
-            token_ids = np.asarray(token_id_list, dtype=np.int64)
-            slots = batch.slots_of(seq_ids)
-            at = np.maximum(slots, 0)
-            known = batch.known[at]
-            # a first output token goes one by one: its delivery says how much of the prompt was cached
-            plain = (slots >= 0) & (batch.pending[at] > 0) & (known + 1 < batch.max_tokens[at])
-            plain &= known > batch.num_prompt[at]
-            plain &= ~batch.slow_update[at]
-            stop_ids = self._stop_id_array  # sorted; searchsorted is cheaper than np.isin
-            if len(stop_ids):
-                plain &= stop_ids[np.minimum(np.searchsorted(stop_ids, token_ids), len(stop_ids) - 1)] != token_ids
-            plain_rows = plain.nonzero()[0]
-            plain_slots = slots[plain_rows]
-            plain_tokens = token_ids[plain_rows]
-            batch.pending[plain_slots] -= 1
-            batch.known[plain_slots] += 1
-            for _ in map(list.append, map(batch.token_lists.__getitem__, plain_slots.tolist()), plain_tokens.tolist()):
-                pass
-            other_rows = [] if len(plain_rows) == len(slots) else (~plain).nonzero()[0].tolist()
-            if other_rows:
-                seq_id_list, token_id_list = seq_ids.tolist(), token_ids.tolist()
+        """Apply a step's sampled tokens (``_apply_token``): the sequences that received one, in
+        the result's order, finished ones included with ``finish_reason`` set. Tokens for
+        sequences that finished or were aborted after the plan was sent are dropped. With
+        ``fast_decode_min_rows`` rows or more, the plain tokens (a token that does not end its
+        sequence, not its first, no logprobs asked) are appended over the batch's arrays and left
+        as arrays in the answer; the rest go one by one."""
+        seq_ids = result.seq_ids
+        if self.fast_decode and len(seq_ids) >= self.fast_decode_min_rows:
+            step, rows = self.batch.take_plain_tokens(result)
         else:
-            plain_rows = plain_slots = plain_tokens = _NO_ROWS
-            other_rows = range(len(seq_id_list))
-        touched_rows: list[int] = []
-        touched: list[Sequence] = []
+            step, rows = StepTokens(self.batch), range(len(seq_ids))
         seqs = self.seqs
-        logprobs = result.logprobs
-        num_top = result.num_top_logprobs
-        pending, known = batch.pending_view, batch.known_view
-        for i in other_rows:
-            seq = seqs.get(seq_id_list[i])
-            if seq is None:
-                continue
-            slot = seq.slot
-            if seq.batch is None:  # not running (preempted with a token in flight)
-                if seq.num_pending_tokens == 0:
-                    continue
-                seq.num_pending_tokens -= 1
-            else:
-                if pending[slot] == 0:
-                    continue
-                pending[slot] -= 1
-                known[slot] += 1
-            token_id = token_id_list[i]
-            tokens = seq.token_ids
-            tokens.append(token_id)
-            if logprobs is not None and seq.sampling.logprobs:
-                seq.logprobs.append(logprobs[i])
-            if num_top and seq.sampling.top_logprobs:
-                start = i * num_top
-                end = start + seq.sampling.top_logprobs
-                seq.top_logprobs.append((result.top_token_ids[start:end], result.top_logprobs[start:end]))
-            touched_rows.append(i)
-            touched.append(seq)
-            # the worker masks stop tokens before min_tokens; a stop there is an ordinary token
-            if token_id in seq.stop_token_set and (len(tokens) > seq.min_num_tokens or token_id in seq.end_token_set):
-                self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos), a stop token id, a grammar's end
-            elif len(tokens) >= seq.max_num_tokens:
-                self.finish(seq, FinishReason.LENGTH)  # max_tokens or the model length
-        return StepTokens(batch, plain_rows, plain_slots, batch.seq_id[plain_slots], plain_tokens, touched_rows, touched)
+        for i in rows:
+            seq = seqs.get(seq_ids[i])
+            if seq is not None and self._apply_token(seq, result, i):
+                step.other_rows.append(i)
+                step.others.append(seq)
+        return step
+
+    def _apply_token(self, seq: Sequence, result: StepResult, i: int) -> bool:
+        """Append row ``i``'s token to ``seq`` (False, nothing done: it waits for none) and end
+        ``seq`` if the token does."""
+        batch, slot = self.batch, seq.slot
+        pending = batch.pending[slot]
+        if not pending:
+            return False
+        batch.pending[slot] = pending - 1
+        batch.known[slot] += 1
+        token_id = result.token_ids[i]
+        tokens = seq.token_ids
+        tokens.append(token_id)
+        if result.logprobs is not None and seq.sampling.logprobs:
+            seq.logprobs.append(result.logprobs[i])
+        if result.num_top_logprobs and seq.sampling.top_logprobs:
+            start = i * result.num_top_logprobs
+            end = start + seq.sampling.top_logprobs
+            seq.top_logprobs.append((result.top_token_ids[start:end], result.top_logprobs[start:end]))
+        # the worker masks stop tokens before min_tokens; a stop there is an ordinary token
+        if token_id in seq.stop_token_set and (len(tokens) > seq.min_num_tokens or token_id in seq.end_token_set):
+            self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos), a stop token id, a grammar's end
+        elif len(tokens) >= seq.max_num_tokens:
+            self.finish(seq, FinishReason.LENGTH)  # max_tokens or the model length
+        return True
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -438,17 +452,18 @@ class Scheduler(RunningStep):
             self._dropped_seq_ids.append(seq.seq_id)
             seq.is_known_to_worker = False
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free the sequence's blocks and put it back at the head of the queue; it is recomputed
-        from its tokens (prompt and output so far) when readmitted, which gives the same greedy
-        output. A token still pending from an in-flight step is kept: it arrives in ``update``."""
-        self.running.remove(seq)
-        self.batch.remove(seq)
+    def _preempt_newest(self) -> Sequence:
+        """Free the newest running sequence's blocks and put it back at the head of the queue; it
+        is recomputed from its tokens (prompt and output so far) when readmitted, which gives the
+        same greedy output. A token still pending from an in-flight step is kept: it arrives in
+        ``apply_result``. Returns that sequence."""
+        seq = self.running.pop()
         self._release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.num_slot_tokens = 0
-        seq.num_hashed_blocks = 0
+        batch, slot = self.batch, seq.slot
+        batch.computed[slot] = batch.slot_tokens[slot] = batch.hashed[slot] = batch.limit[slot] = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        return seq
+
