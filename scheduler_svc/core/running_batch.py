@@ -33,6 +33,7 @@ a ``StepTokens`` stays valid until then.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -192,7 +193,7 @@ class RunningBatch:
             plain &= known // offer_block_size <= arrays.hashed[order]
         others = (~idle & ~plain).nonzero()[0]
         num_plain_before = np.cumsum(plain, dtype=np.int64) - plain
-        return PlainDecodes(self, order, computed, pending, plain, num_plain_before, others.tolist(),
+        return PlainDecodes(arrays, order, computed, pending, plain, num_plain_before, others.tolist(),
                             num_plain_before[others].tolist())
 
     def take_plain_tokens(self, result: StepResult) -> tuple[StepTokens, list[int]]:
@@ -217,32 +218,27 @@ class RunningBatch:
         tokens = token_ids[rows]
         arrays.pending[slots] -= 1
         arrays.known[slots] += 1
-        for _ in map(list.append, map(self.token_lists.__getitem__, slots.tolist()), tokens.tolist()):
-            pass
+        # each token onto its sequence's list, with no Python loop body (deque consumes the map)
+        deque(map(list.append, map(self.token_lists.__getitem__, slots.tolist()), tokens.tolist()), maxlen=0)
         other_rows = [] if len(rows) == len(seq_ids) else (~plain).nonzero()[0].tolist()
         return StepTokens(self, rows, slots, seq_ids[rows], tokens), other_rows
 
 
+@dataclass(slots=True)
 class PlainDecodes:
-    """One step's running rows as ``RunningBatch.plain_decodes`` sorted them. ``others`` are the
-    positions (in running order) of the rows to take one by one, and ``num_plain_before`` how many
-    plain decodes come before each: the step's budget goes to those first. ``commit`` then
+    """One step's running rows as ``RunningBatch.plain_decodes`` sorted them out. The step's budget
+    goes to the rows in running order: ``others`` are the positions of the rows to take one by
+    one, each after the plain decodes before it (``others_num_plain_before``); ``commit`` then
     advances the plain decodes that the rest of the budget reaches."""
 
-    __slots__ = ("batch", "order", "computed", "pending", "plain", "num_plain_before_each", "others",
-                 "num_plain_before")
-
-    def __init__(self, batch: RunningBatch, order: np.ndarray, computed: np.ndarray, pending: np.ndarray,
-                 plain: np.ndarray, num_plain_before_each: np.ndarray, others: list[int],
-                 num_plain_before: list[int]):
-        self.batch = batch
-        self.order = order  # the slots in running order
-        self.computed = computed  # their counters when sorted out (a plain decode's stay so)
-        self.pending = pending
-        self.plain = plain
-        self.num_plain_before_each = num_plain_before_each
-        self.others = others
-        self.num_plain_before = num_plain_before
+    arrays: _Arrays
+    order: np.ndarray  # the running rows' slots, in running order
+    computed: np.ndarray  # their counters when sorted out (a plain decode's stay so until commit)
+    pending: np.ndarray
+    plain: np.ndarray  # which are plain decodes
+    num_plain_before: np.ndarray  # how many plain decodes come before each
+    others: list[int]
+    others_num_plain_before: list[int]
 
     def commit(self, end: int, num_tokens: int, allocator: BlockAllocator, positions: list[int],
                counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -251,8 +247,8 @@ class PlainDecodes:
         budget) reaches in running order. ``positions`` and ``counts``: the other rows scheduled
         and their tokens. Returns every row scheduled, in running order, as the plan holds them:
         sequence ids and tokens."""
-        arrays = self.batch._arrays
-        rows = (self.plain[:end] & (self.num_plain_before_each[:end] < num_tokens)).nonzero()[0]
+        arrays = self.arrays
+        rows = (self.plain[:end] & (self.num_plain_before[:end] < num_tokens)).nonzero()[0]
         slots = self.order[rows]
         computed = self.computed[rows] + 1
         arrays.computed[slots] = computed

@@ -167,11 +167,12 @@ class Scheduler:
         # pacing spreads them out while decodes are running
         budget = StepBudget(tokens, self._prefill_allowance() if self.config.prefill_pacing_steps else tokens)
         self._schedule_running(plan, budget)
-        # forked samples start after the loop above, which must not schedule them twice
-        self._start_forked(plan, budget)
-        if not budget.preempted:
+        if self._forked:  # after the loop above, which must not schedule them twice
+            self._start_forked(plan, budget)
+        if not budget.preempted and self.waiting:
             self._admit(plan, budget)
-        self._fork_samples()
+        if self._parents:
+            self._fork_samples()
         plan.finished_seq_ids = self._dropped_seq_ids
         self._dropped_seq_ids = []
         return plan
@@ -187,17 +188,15 @@ class Scheduler:
         decodes = None
         if self.fast_decode and len(running) >= self.fast_decode_min_rows:
             decodes = self.batch.plain_decodes(running, self._block_size if self._caching else 0)
-            rows = zip(decodes.others, decodes.num_plain_before)
+            rows = zip(decodes.others, decodes.others_num_plain_before)
         else:
             rows = zip(range(len(running)), repeat(0))
         positions: list[int] = []  # the rows scheduled here, as positions in running...
         counts: list[int] = []  # ...and their tokens
         for pos, num_plain_before in rows:
-            if pos >= len(running):
-                break  # preempted, with every row after it
             tokens = budget.tokens - num_plain_before  # the plain decodes before it come first
-            if tokens <= 0:
-                break
+            if tokens <= 0 or (budget.preempted and pos >= len(running)):
+                break  # the budget is spent, or preemption took this row and every one after it
             # its row in the plan: every plain decode before it runs
             num_new = self._schedule_row(running[pos], tokens, budget, plan, len(positions) + num_plain_before)
             if num_new:
@@ -238,7 +237,7 @@ class Scheduler:
                 budget.preempted = True
                 if self._preempt_newest() is seq:
                     return 0
-        self._advance(seq, num_new)
+        self._advance(seq, computed + num_new, num_tokens, pending)
         return num_new
 
     def _grow(self, seq: Sequence, target: int, plan: StepPlan, plan_row: int) -> bool:
@@ -265,16 +264,17 @@ class Scheduler:
         batch.slot_tokens[slot] = target
         return True
 
-    def _advance(self, seq: Sequence, num_new: int) -> None:
-        """Count a scheduled slice as computed (the plan is sent before its result arrives)."""
+    def _advance(self, seq: Sequence, computed: int, num_tokens: int, num_pending: int) -> None:
+        """Count ``seq``'s first ``computed`` tokens as computed once the plan being built runs (it
+        is sent before its result arrives). ``num_tokens``: its tokens, ``num_pending`` of them
+        sampled by steps in flight (the caller has them at hand)."""
         batch, slot = self.batch, seq.slot
-        computed = batch.computed[slot] + num_new
         batch.computed[slot] = computed
-        num_known = batch.known[slot]
-        if computed == num_known + batch.pending[slot]:
-            batch.pending[slot] += 1  # the worker samples a token this step
+        if computed == num_tokens:
+            batch.pending[slot] = num_pending + 1  # the worker samples a token this step
         if self._caching:
             # blocks filled up with tokens the scheduler knows: offer them to the prefix cache
+            num_known = num_tokens - num_pending
             num_offered = computed if computed < num_known else num_known
             if num_offered // self._block_size > batch.hashed[slot]:
                 self.allocator.cache_blocks(seq.seq_id, seq.token_ids, num_offered)
@@ -307,7 +307,7 @@ class Scheduler:
             budget.prompt_tokens -= num_new
             plan.block_copies.extend(allocation.copies)
             plan.new_seqs.append(self._new_sequence(seq, allocation.block_ids, computed, num_new))
-            self._advance(seq, num_new)
+            self._advance(seq, computed + num_new, len(seq.token_ids), 0)
             budget.tokens -= num_new
 
     def _new_sequence(self, seq: Sequence, block_ids: list[int], computed: int, num_new: int) -> NewSequence:
@@ -351,8 +351,7 @@ class Scheduler:
                 batch.hashed[slot] = min(batch.hashed[seq.slot], len(allocation.block_ids) - 1)
                 self._forked.append(sample)
             seq.unforked_samples = waiting
-        if self._parents:
-            self._parents = [seq for seq in self._parents if seq.unforked_samples]
+        self._parents = [seq for seq in self._parents if seq.unforked_samples]
 
     def _start_forked(self, plan: StepPlan, budget: StepBudget) -> None:
         """Send the forked samples to the worker: each computes its last prompt token again (in its
@@ -361,10 +360,10 @@ class Scheduler:
             allocation = sample.fork_allocation
             sample.fork_allocation = None
             plan.block_copies.extend(allocation.copies)
-            plan.new_seqs.append(self._new_sequence(sample, allocation.block_ids,
-                                                    self.batch.computed[sample.slot], 1))
+            computed = self.batch.computed[sample.slot]  # all of its prompt but the last token
+            plan.new_seqs.append(self._new_sequence(sample, allocation.block_ids, computed, 1))
             self._start_running(sample)
-            self._advance(sample, 1)
+            self._advance(sample, computed + 1, sample.num_prompt_tokens, 0)
         budget.tokens -= len(self._forked)
         self._forked = []
 
