@@ -8,7 +8,7 @@ Attention dispatches to the Triton kernels (``kvcache.triton_*``) on CUDA, to a 
 else to the torch reference here. The C kernel belongs to the worker's CPU package
 (``worker_svc.cpu.attention``: its source, its build, the ISA it is built for), and kvcache never
 imports the worker: the worker hands this module the kernel's loader at start-up
-(:func:`use_cpu_attention`, from ``worker_svc.cpu.prepare_model``). Until then, and in a process
+(:func:`use_cpu_attention`, from ``worker_svc.cpu.prepare.prepare_model``). Until then, and in a process
 that never registers one, CPU attention is the torch reference.
 """
 
@@ -193,8 +193,8 @@ def use_cpu_attention(load: Callable[[], CpuAttention | None] | None) -> None:
 
 
 def prepare_cpu_attention(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:
-    """Build (or load) the registered C kernel now, at worker start, if the dispatch will use it for CPU
-    queries of ``dtype`` over a cache of ``kv_dtype`` (default: the same), instead of during the
+    """Build (or load) the registered C kernel now, at worker start, if the dispatch will use it for
+    CPU queries of ``dtype`` over a cache of ``kv_dtype`` (default: the same), instead of during the
     first request. Returns the CPU attention path: ``"C kernel"`` or ``"torch reference"`` (or
     ``"triton"`` when forced)."""
     backend = attention_backend()

@@ -188,6 +188,33 @@ def test_no_compiler_falls_back_to_the_reference(monkeypatch, caplog):
         attention.kernel.cache_clear()
 
 
+def test_a_forced_cpu_backend_needs_the_registered_kernel(kernel, monkeypatch):
+    query, kv, meta, scale = _batch([3, 1], [19, 40], 16, 3, 3, torch.float32)
+    paged.use_cpu_attention(None)
+    try:
+        monkeypatch.setenv("PAGEWIRE_ATTENTION_BACKEND", "cpu")
+        paged.attention_backend.cache_clear()
+        with pytest.raises(RuntimeError, match="no CPU attention kernel is registered"):
+            paged_attention(query, kv, meta, scale)
+    finally:
+        paged.use_cpu_attention(attention.kernel)
+        monkeypatch.delenv("PAGEWIRE_ATTENTION_BACKEND", raising=False)
+        paged.attention_backend.cache_clear()
+
+
+def test_a_cpu_worker_registers_the_kernel_at_start(kernel, tiny_model_dir, caplog):
+    from worker_svc.runner import ModelRunner, RunnerConfig
+
+    paged.use_cpu_attention(None)
+    try:
+        with caplog.at_level("INFO", logger="pagewire.worker"):
+            ModelRunner(tiny_model_dir("llama-gqa"), RunnerConfig(dtype="float32", device="cpu", num_kv_blocks=8))
+        assert "; attention C kernel" in caplog.text
+        assert paged.prepare_cpu_attention(torch.float32) == "C kernel"
+    finally:
+        paged.use_cpu_attention(attention.kernel)
+
+
 def test_worker_start_reports_the_path(kernel, monkeypatch):
     assert paged.prepare_cpu_attention(torch.float32) == "C kernel"
     assert paged.prepare_cpu_attention(torch.bfloat16) == "C kernel"
