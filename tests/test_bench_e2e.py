@@ -139,6 +139,50 @@ def test_null_worker_counts_tokens(tmp_path):
 
 
 @pytest.mark.slow
+def test_serve_records_the_servers_cpu_by_role(tmp_path):
+    # --serve knows the server's processes: each role's CPU over each measured run, per token
+    out_json, server_log = tmp_path / "cpu.json", tmp_path / "server.log"
+    n, new, runs = 128, 32, 2
+    proc = run_bench(
+        "--serve", "--server-log", str(server_log), "--worker", "null", "--model", str(get_tiny_model("llama-gqa")),
+        "--api-servers", "2", "--num-requests", str(n), "--concurrency", "32", "--max-new-tokens", str(new),
+        "--ignore-eos", "--prompt-len", "8", "--warmup-runs", "1", "--repeat-runs", str(runs), "--json", str(out_json),
+    )
+    assert proc.returncode == 0, explain(proc, server_log)
+    cpu = json.loads(out_json.read_text())["server_cpu"]
+    assert cpu["known"] is True
+    roles = set(cpu["pids"])
+    # each API server has started its tokenizer helper (the model has a tokenizer.json)
+    assert roles == {"serve", "worker", "core", "api-server 1", "api-server 2", "api-server 1 helpers",
+                     "api-server 2 helpers"}
+    assert all(pids and all(isinstance(p, int) for p in pids) for pids in cpu["pids"].values())
+    ours = cpu["engines"]["pagewire"]
+    assert len(ours["runs"]) == runs and list(cpu["engines"]) == ["pagewire"]
+    for by_role in [*ours["runs"], ours["aggregate"]]:
+        assert set(by_role) == roles
+        for role, figures in by_role.items():
+            assert set(figures) == {"cpu_s", "us_per_token", "busy_fraction"}, role
+            assert figures["cpu_s"] >= 0 and figures["us_per_token"] >= 0 and figures["busy_fraction"] >= 0, role
+        assert by_role["core"]["cpu_s"] > 0
+        assert by_role["api-server 1"]["cpu_s"] + by_role["api-server 2"]["cpu_s"] > 0
+    agg = ours["aggregate"]
+    assert agg["core"]["cpu_s"] == pytest.approx(sum(r["core"]["cpu_s"] for r in ours["runs"]))
+    assert agg["core"]["us_per_token"] == pytest.approx(agg["core"]["cpu_s"] * 1e6 / (runs * n * new))
+    assert "server CPU us per output token (share of a core), pagewire: " in proc.stdout
+
+
+def test_without_serve_the_servers_cpu_is_not_known():
+    from pagewire.bench.cli import validate_args
+    from pagewire.bench.session import Bench
+    from pagewire.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--addr", "127.0.0.1:1"])
+    validate_args(args)
+    cpu = Bench(args).server_cpu_dict({("grpc", "greedy"): []})
+    assert cpu["known"] is False and "--serve" in cpu["reason"]
+
+
+@pytest.mark.slow
 def test_both_doors_side_by_side(tmp_path):
     # the same requests through gRPC and the OpenAI HTTP door, in turn within each run
     out_json, server_log = tmp_path / "doors.json", tmp_path / "server.log"

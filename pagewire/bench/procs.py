@@ -4,6 +4,8 @@ reads to say where a run's CPU went, process by process."""
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 
 from pagewire.bench.server import child_pids, descendant_pids
 
@@ -35,23 +37,64 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+_RANK = re.compile(r" --rank (\d+)")
+
+
 def serve_roles(serve_pid: int) -> dict[str, list[int]]:
-    """Role -> pids of a running `pagewire serve`: the serve supervisor, the worker, the core, each
-    API server (its helper processes, tokenizer and multiprocessing's tracker, counted with it)."""
-    roles: dict[str, list[int]] = {"serve": [serve_pid]}
-    for child in child_pids(serve_pid):
-        argv = cmdline(child)
-        if " worker " in argv:
-            roles["worker"] = [child]
-        elif " scheduler " in argv:
-            roles["core"] = [child]
-            for i, api in enumerate(child_pids(child), 1):
-                roles[f"api-server {i}"] = [api, *child_pids(api)]
+    """Role -> pids of a running `pagewire serve`: "serve" (the supervisor), "worker" (rank 0),
+    "worker rank R" (each further tensor-parallel rank, which rank 0 starts), "core", each
+    "api-server N" (the core's children, by pid) and "api-server N helpers" (its tokenizer helper
+    and multiprocessing's resource tracker) where it has started any. A process none of these
+    names (a compile worker, say) counts with the nearest ancestor that has a role; every process
+    of the tree is in exactly one role."""
+    roles: dict[str, list[int]] = {}
+
+    def add(pid: int, role: str) -> None:
+        roles.setdefault(role, []).append(pid)
+        api_servers = 0
+        for child in sorted(child_pids(pid)):
+            argv = cmdline(child)
+            rank = _RANK.search(argv)
+            if role == "serve" and " worker " in argv:
+                add(child, "worker")
+            elif role == "serve" and " scheduler " in argv:
+                add(child, "core")
+            elif role == "worker" and rank:
+                add(child, f"worker rank {rank.group(1)}")
+            elif role == "core" and " api-server " in argv:
+                api_servers += 1
+                add(child, f"api-server {api_servers}")
+            elif role.startswith("api-server") and not role.endswith(" helpers"):
+                add(child, f"{role} helpers")
+            else:
+                add(child, role)
+
+    add(serve_pid, "serve")
     return roles
 
 
 def cpu_by_role(roles: dict[str, list[int]], waited_children: bool = False) -> dict[str, float]:
     return {role: sum(cpu_seconds(p, waited_children) for p in pids) for role, pids in roles.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class RoleCpu:
+    """The CPU one role (a process or a few, see ``serve_roles``) spent over a run, or over runs pooled."""
+
+    cpu_s: float  # user + system seconds
+    us_per_token: float | None  # cpu_s per completion token, in µs; None over no token
+    busy_fraction: float  # cpu_s / the run's wall time: 1.0 is one core busy all along
+
+    @classmethod
+    def of(cls, cpu_s: float, completion_tokens: int, duration_s: float) -> RoleCpu:
+        return cls(
+            cpu_s=cpu_s,
+            us_per_token=cpu_s * 1e6 / completion_tokens if completion_tokens else None,
+            busy_fraction=cpu_s / duration_s if duration_s > 0 else 0.0,
+        )
+
+    def to_dict(self) -> dict:
+        return {"cpu_s": self.cpu_s, "us_per_token": self.us_per_token, "busy_fraction": self.busy_fraction}
 
 
 class RunCpu:

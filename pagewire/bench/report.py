@@ -12,6 +12,14 @@ The JSON document (``--json``), schema version 1::
                     baselines, client_processes, worker, and engine: the engine options in force
     server          addr, started_by_bench, model_info (model_name, max_model_len, vocab_size, block_size,
                     num_kv_blocks, dtype, device, eos_token_ids)
+    server_cpu      the served server's CPU (user + system, from /proc) during each measured run, by role: with --serve
+                    {"known": true, "pids": {role: [pid, ...]}, "engines": {ours: {runs: [{role: CPU}, ...],
+                    aggregate: {role: CPU}}}} for each of our columns (pagewire, pagewire-openai, ...); roles "serve",
+                    "worker" (rank 0), "worker rank R", "core", "api-server N", "api-server N helpers" (its tokenizer
+                    helper and multiprocessing's resource tracker); CPU = {cpu_s, us_per_token (cpu_s per completion
+                    token the client received, in µs; null over none), busy_fraction (cpu_s / the run's wall time:
+                    1.0 = one core busy all along)}. Without --serve {"known": false, "reason": ...}: the bench does
+                    not know the processes of a server it did not start.
     engines         {"pagewire" | "pagewire-openai" | "hf" | "hf-cb": {per_token_timings, details, runs: [RUN, ...], aggregate: RUN}}
     comparison      {baseline: {figure key: ratio or null}}; > 1 means pagewire is better (figure keys:
                     completion_tokens_per_s, total_tokens_per_s, requests_per_s, {ttft,tpot,itl,e2e}_{mean,p50,p95,p99})
@@ -96,9 +104,10 @@ def _table(rows: list[list[str]], align_left_cols: int = 1) -> str:
     return "\n".join(lines)
 
 
-def summary_text(results: list[EngineResult], header: list[str]) -> str:
+def summary_text(results: list[EngineResult], header: list[str], server_cpu: dict | None = None) -> str:
     """The summary table: one column per engine, and after each baseline the ratio of ours to it
-    (ours / baseline for throughput, baseline / ours for latency: > 1 means ours is better)."""
+    (ours / baseline for throughput, baseline / ours for latency: > 1 means ours is better); then
+    the served server's CPU by role (the JSON's ``server_cpu``), where given."""
     ours = next(r for r in results if r.name == OURS)
     baselines = [r for r in results if r.name != OURS]
     head = ["metric", OURS]
@@ -148,7 +157,22 @@ def summary_text(results: list[EngineResult], header: list[str]) -> str:
     errors = {r.name: r.aggregate.errors for r in results if r.aggregate.errors}
     if errors:
         out += ["", "failed requests by status: " + "; ".join(f"{k}: {v}" for k, v in errors.items())]
+    if server_cpu is not None:
+        out += ["", *server_cpu_lines(server_cpu)]
     return "\n".join(out) + "\n"
+
+
+def server_cpu_lines(server_cpu: dict) -> list[str]:
+    """One line per column of ours: each role's CPU µs per output token and share of a core (a
+    role near 100% of a core while the GPU waits is what holds the run back)."""
+    if not server_cpu["known"]:
+        return [f"server CPU: not known ({server_cpu['reason']})"]
+    lines = []
+    for name, cpu in server_cpu["engines"].items():
+        cells = ", ".join(f"{role} {_fmt_value(c['us_per_token'], 'us')} ({c['busy_fraction']:.0%})"
+                          for role, c in cpu["aggregate"].items())
+        lines.append(f"server CPU us per output token (share of a core), {name}: {cells}")
+    return lines
 
 
 # ---- JSON ------------------------------------------------------------------------------------
@@ -209,7 +233,8 @@ def environment() -> dict:
 
 
 def json_document(
-    results: list[EngineResult], *, argv: list[str], command_line: str, config: dict, server: dict, env: dict
+    results: list[EngineResult], *, argv: list[str], command_line: str, config: dict, server: dict,
+    server_cpu: dict, env: dict,
 ) -> dict:
     ours = next(r for r in results if r.name == OURS)
     return {
@@ -219,6 +244,7 @@ def json_document(
         "environment": env,
         "config": config,
         "server": server,
+        "server_cpu": server_cpu,
         "engines": {r.name: r.to_dict() for r in results},
         "comparison": {r.name: compare(ours.aggregate, r.aggregate) for r in results if r.name != OURS},
     }

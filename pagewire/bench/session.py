@@ -35,6 +35,10 @@ class Bench:
         self.model_info = None
         self.run_prompts: list[list] = []  # per run index (warmups first): token-id lists or texts
         self.run_offsets: list[list[float] | None] = []
+        # with --serve: the served server's processes by role (pagewire.bench.procs.serve_roles), and
+        # per (backend, mix) column the CPU seconds each role spent in each measured run
+        self.server_roles: dict[str, list[int]] | None = None
+        self.server_cpu: dict[tuple[str, str], list[dict[str, float]]] = {}
 
     def option(self, dest: str):
         value = getattr(self.args, dest)
@@ -120,6 +124,7 @@ class Bench:
         ``--backend`` (in turn within each run); the measured runs' LoadResults by door."""
         from pagewire.bench.http_client import HttpClient
         from pagewire.bench.loadgen import Client, ClientPool, ServerUnreachable, build_requests
+        from pagewire.bench.procs import cpu_by_role
         from pagewire.bench.sampling_mix import apply_mix
         from pagewire.client import make_sampling
 
@@ -146,11 +151,14 @@ class Bench:
             runner = pool or client
             columns = [(backend, mix) for backend in args.backend for mix in args.sampling_mix]
             measured: dict[tuple[str, str], list] = {column: [] for column in columns}
+            self.server_cpu = {column: [] for column in columns}
             for i in range(self.num_runs):
                 plain = build_requests(self.run_prompts[i], sampling)
                 for backend, mix in columns:
                     requests = plain if mix == "greedy" else apply_mix(plain, mix)
                     label = self.run_label(self.engine_name(backend, mix), i)
+                    measure_cpu = self.server_roles is not None and i >= args.warmup_runs
+                    cpu_before = cpu_by_role(self.server_roles) if measure_cpu else None
                     with self.progress(label) as bar:
                         common = dict(concurrency=args.concurrency, arrival_offsets=self.run_offsets[i],
                                       request_timeout=args.request_timeout, progress=bar)
@@ -158,6 +166,11 @@ class Bench:
                             result = await http.run(requests, model=self.model_info.model_name, **common)
                         else:
                             result = await runner.run(requests, **common)
+                    if measure_cpu:
+                        # a process that exited in between reads 0 at the end: it counts up to its last reading
+                        cpu_after = cpu_by_role(self.server_roles)
+                        self.server_cpu[backend, mix].append(
+                            {role: max(0.0, cpu_after[role] - cpu_before[role]) for role in self.server_roles})
                     self.log_run(label, result.records, result.duration_s, result.client_cpu_fraction)
                     if i >= args.warmup_runs:
                         measured[backend, mix].append(result)
@@ -328,6 +341,28 @@ class Bench:
             },
         }
 
+    def server_cpu_dict(self, measured: dict[tuple[str, str], list]) -> dict:
+        """The JSON's ``server_cpu`` (schema in pagewire.bench.report): the served server's CPU by
+        role over each measured run of each of our columns, or that it is not known."""
+        from pagewire.bench.procs import RoleCpu
+
+        if self.server_roles is None:
+            return {"known": False, "reason": "the bench did not start the server (no --serve), so it does not know "
+                                              "its processes"}
+        engines = {}
+        for column, runs in measured.items():
+            per_run = self.server_cpu[column]
+            # every token the client received, failed requests' too: the server spent CPU on them
+            tokens = [sum(rec.completion_tokens for rec in m.records) for m in runs]
+            engines[self.engine_name(*column)] = {
+                "runs": [{role: RoleCpu.of(cpu_s, n, m.duration_s).to_dict() for role, cpu_s in cpu.items()}
+                         for cpu, n, m in zip(per_run, tokens, runs)],
+                "aggregate": {role: RoleCpu.of(sum(cpu[role] for cpu in per_run), sum(tokens),
+                                               sum(m.duration_s for m in runs)).to_dict()
+                              for role in self.server_roles},
+            }
+        return {"known": True, "pids": self.server_roles, "engines": engines}
+
     # ---- main ----------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -349,7 +384,11 @@ class Bench:
             print(f"pagewire bench: starting `pagewire serve` on {addr}...", file=sys.stderr, flush=True)
         try:
             if server is not None:
+                from pagewire.bench.procs import serve_roles
+
                 server.start(args.serve_timeout)
+                # ready means every process is up: the worker's ranks, the API servers and their helpers
+                self.server_roles = serve_roles(server.proc.pid)
             measured = eventloop.run(self.run_ours(addr))
         finally:
             if server is not None:
@@ -377,12 +416,13 @@ class Bench:
                           f"pagewire {ours_tokens}{'' if args.ignore_eos else ' (use --ignore-eos to equalise)'}",
                           file=sys.stderr)
         header = self.header(addr)
-        sys.stdout.write(summary_text(results, header))
+        server_cpu = self.server_cpu_dict(measured)
+        sys.stdout.write(summary_text(results, header, server_cpu))
         sys.stdout.flush()
         if args.json:
             doc = json_document(
                 results, argv=list(sys.argv), command_line=shlex.join(sys.argv), config=self.config_dict(),
-                server=self.server_dict(addr), env=environment(),
+                server=self.server_dict(addr), server_cpu=server_cpu, env=environment(),
             )
             write_json(args.json, doc)
             print(f"wrote {args.json}", file=sys.stderr)
