@@ -72,8 +72,8 @@ def random_request(rng: random.Random, prompts: list[list[int]]) -> tuple[list[i
     if kind < 0.15:
         params = SamplingParams(temperature=0, max_tokens=rng.randint(2, 30), n=rng.randint(2, 3))
     elif kind < 0.3:  # stop on tokens the fake model produces often enough to matter
-        params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[rng.randrange(VOCAB - 1) for _ in range(40)],
-                                min_tokens=rng.choice([0, 3]))
+        stops = [rng.randrange(VOCAB - 1) for _ in range(40)]
+        params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=stops, min_tokens=rng.choice([0, 3]))
     elif kind < 0.4:
         params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 40), logprobs=True)
     return prompt, params
@@ -121,7 +121,8 @@ def run_trace(min_rows: int | None, seed: int, depth: int, num_steps: int = 300,
         if engine.should_receive(plan is not None, depth):
             tokens = engine.on_result(link.receive())
             got = [(seq.seq_id, seq.token_ids[-1], seq.finish_reason) for seq in tokens.sequences()]
-            for slot, seq_id, token_id in zip(tokens.slots.tolist(), tokens.seq_ids.tolist(), tokens.token_ids.tolist()):
+            plain = zip(tokens.slots.tolist(), tokens.seq_ids.tolist(), tokens.token_ids.tolist())
+            for slot, seq_id, token_id in plain:
                 seq = scheduler.batch.seqs[slot]  # a plain token: not a first, not a last, no logprobs
                 assert seq.seq_id == seq_id and seq.token_ids[-1] == token_id
                 assert seq.num_output_tokens > 1 and seq.finish_reason is None and not seq.sampling.logprobs
@@ -201,7 +202,8 @@ def test_plain_decodes_go_over_the_arrays():
     only the rows that take a block or complete one, and the first and last tokens."""
     engine, link = make_engine(1, num_blocks=256, block_size=16, budget=512, prefix=True, max_num_seqs=64)
     for i in range(32):
-        engine.add_request(f"r{i}", prompt_token_ids=[1 + i, 2, 3], sampling=SamplingParams(temperature=0, max_tokens=40))
+        engine.add_request(f"r{i}", prompt_token_ids=[1 + i, 2, 3],
+                           sampling=SamplingParams(temperature=0, max_tokens=40))
     scheduler, batch = engine.scheduler, engine.scheduler.batch
     one_by_one, applied = [], []
     schedule_row, apply_token = scheduler._schedule_row, scheduler._apply_token
@@ -266,3 +268,11 @@ def test_step_plan_rows_as_objects_and_arrays_agree():
     same = StepPlan(1, running_seq_ids=np.array([3, 5]), running_num_scheduled_tokens=[1, 4],
                     block_updates=[(1, 2, [7, 8])])
     assert same == plan
+
+
+def test_a_sequence_keeps_no_counters():
+    """A sequence's progress has one home, its row in the batch: ``Sequence`` has no counter of
+    its own, nor a way to reach the batch."""
+    names = set(Sequence.__slots__) | set(dir(Sequence))
+    assert not names & {"num_computed_tokens", "num_pending_tokens", "num_slot_tokens", "num_hashed_blocks",
+                        "num_tokens", "batch"}

@@ -51,7 +51,7 @@ class Sequence:
     # n > 1: which sample this is, and (on sample 0) the other samples, forked from it once its
     # prompt is computed
     sample_index: int = 0
-    unforked_samples: list["Sequence"] = field(default_factory=list)
+    unforked_samples: list[Sequence] = field(default_factory=list)
     fork_allocation: object | None = None  # the blocks a forked sample starts with (next plan)
 
     def __post_init__(self) -> None:
