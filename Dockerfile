@@ -5,7 +5,7 @@ FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEWIRE_CACHE_DIR=/cache HF_HOME=/cache/huggingface
 WORKDIR /app
 
-# a C compiler: the worker builds its CPU attention kernel at first start (kvcache/cpu_kernels.py)
+# a C compiler: the worker builds its CPU attention kernel at first start (worker_svc/cpu/attention.py)
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 # torch first and pinned, as in the Makefile. The default index gives the CPU build; an empty
