@@ -90,6 +90,10 @@ def test_serve_measure_and_compare_with_baselines(model_dir, tmp_path):
     assert engines["hf-cb"]["aggregate"]["itl_s"]["count"] == n * (new - 1)
     assert engines["hf"]["aggregate"]["ttft_s"] is None  # not observable for static batches
     assert engines["hf"]["details"]["batch_size"] == 4
+    cb = engines["hf-cb"]["details"]  # what the installed transformers took of our settings, and what not
+    assert cb["continuous_batching_config"]["page_size"] == doc["server"]["model_info"]["block_size"]
+    assert set(cb["continuous_batching_config"]) | set(cb["continuous_batching_unsupported"]) == {
+        "page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "allow_block_sharing", "seed"}
     assert set(doc["comparison"]) == {"hf", "hf-cb"}
     throughput = {name: engine["aggregate"]["completion_tokens_per_s"] for name, engine in engines.items()}
     for name in ("hf", "hf-cb"):  # > 1 means pagewire is better: ours / theirs for throughput

@@ -19,6 +19,12 @@ directory, dtype, prompts and token counts as the pagewire runs.
   that need are never used), ``max_batch_tokens`` = our step token budget,
   ``max_requests_per_batch`` = our ``max_num_seqs``, block sharing (its prefix cache) as ours. ``ignore_eos`` has no flag there:
   the generation config gets ``eos_token_id=-1``, which its requests treat as "no EOS".
+  Its configuration moved between transformers 5 releases (``ContinuousBatchingConfig`` from 5.4,
+  the page size named ``block_size`` there until 5.17 and ``page_size`` from 5.18, workload hints
+  from 5.8, ``seed`` and ``max_requests_per_batch`` by 5.12; before 5.4 the cache settings are read
+  from the generation config): each setting goes where the installed version takes it, and one it
+  has no place for is left out and named in the run's details. (5.0's continuous batching cannot
+  size its cache on a CPU, having no memory total there: on 5.0 hf-cb runs on a GPU only.)
   Per-token times come from ``record_timestamps=True``: they are stamped in its generation thread
   when each token is produced (no transport), so its TTFT/ITL are lower bounds next to ours,
   which are measured at a gRPC client in another process.
@@ -26,7 +32,9 @@ directory, dtype, prompts and token counts as the pagewire runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import inspect
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -38,6 +46,54 @@ from pagewire_common.settings import default_of
 BASELINES = ("hf", "hf-cb")
 # The KV budget our CPU worker uses when none is given (worker_svc.runner.DEFAULT_CPU_KV_CACHE_BYTES).
 _CPU_KV_CACHE_BYTES = 1 << 30
+
+
+# Each setting of transformers' continuous batching that hf-cb sets, under its current name, with the
+# names it had before (first found wins): the page size was `block_size` up to transformers 5.17;
+# 5.18 renamed it `page_size` and keeps `block_size` as a deprecated alias.
+CB_NAMES: dict[str, tuple[str, ...]] = {
+    "page_size": ("page_size", "block_size"),
+    "num_blocks": ("num_blocks",),
+    "max_batch_tokens": ("max_batch_tokens",),
+    "max_requests_per_batch": ("max_requests_per_batch",),
+    "allow_block_sharing": ("allow_block_sharing",),
+    "seed": ("seed",),
+}
+# Before ContinuousBatchingConfig (transformers < 5.4) the cache reads these from the generation
+# config, and block sharing is an argument of the context manager.
+_GENERATION_CONFIG_CB_FIELDS = frozenset({"block_size", "num_blocks", "max_batch_tokens"})
+
+
+def parameter_names(cls_or_fn) -> frozenset[str]:
+    """The keyword arguments a dataclass (its fields) or a callable (its signature) takes."""
+    if dataclasses.is_dataclass(cls_or_fn):
+        return frozenset(f.name for f in dataclasses.fields(cls_or_fn) if f.init)
+    return frozenset(inspect.signature(cls_or_fn).parameters)
+
+
+def cb_kwargs(settings: dict[str, object], accepted: Collection[str]) -> tuple[dict[str, object], list[str]]:
+    """``settings`` (keys of ``CB_NAMES``) as keyword arguments under the first of each one's names
+    that ``accepted`` holds, and the settings none of whose names it holds (in ``settings``' order)."""
+    kwargs: dict[str, object] = {}
+    missing: list[str] = []
+    for name, value in settings.items():
+        found = next((n for n in CB_NAMES[name] if n in accepted), None)
+        if found is None:
+            missing.append(name)
+        else:
+            kwargs[found] = value
+    return kwargs, missing
+
+
+@dataclass(frozen=True, slots=True)
+class CbSetup:
+    """How one hf-cb run configures the installed transformers' continuous batching."""
+
+    config: object | None  # its ContinuousBatchingConfig; None before transformers had one (< 5.4)
+    generation_attrs: dict[str, object]  # set on the GenerationConfig (transformers < 5.4)
+    context_kwargs: dict[str, object]  # more arguments of continuous_batching_context_manager
+    applied: dict[str, object]  # our settings (CB_NAMES keys) that it took, with their values
+    unsupported: list[str]  # our settings it has no place for, left out
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +142,7 @@ class HFBaselines:
         if pad is None:
             pad = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.pad_token_id = int(pad)
-        self.last_cb_config = None
+        self.last_cb_setup: CbSetup | None = None
         # transformers' continuous batching logs at INFO through a handler of its own
         import logging
 
@@ -175,21 +231,42 @@ class HFBaselines:
         needed = -(-max_seq_len // page_size) * max_running + 1
         return min(num_blocks, needed)
 
-    def cb_config(self, max_seq_len: int, max_running: int):
-        """The ``ContinuousBatchingConfig`` mirroring our engine options for sequences of up to
-        ``max_seq_len`` tokens with up to ``max_running`` of them at once."""
-        from transformers import ContinuousBatchingConfig
-
+    def cb_settings(self, max_seq_len: int, max_running: int) -> dict[str, object]:
+        """Our engine options as continuous-batching settings (``CB_NAMES`` keys) for sequences of
+        up to ``max_seq_len`` tokens with up to ``max_running`` of them at once."""
         o = self.options
         page_size = max(4, o.block_size)  # transformers' minimum page is 4 tokens
-        return ContinuousBatchingConfig(
-            page_size=page_size,
-            num_blocks=self._cb_num_blocks(page_size, max_seq_len, max_running),
-            max_batch_tokens=o.max_num_batched_tokens,
-            max_requests_per_batch=o.max_num_seqs,
-            allow_block_sharing=o.prefix_cache,
-            seed=o.seed,
-        )
+        return {
+            "page_size": page_size,
+            "num_blocks": self._cb_num_blocks(page_size, max_seq_len, max_running),
+            "max_batch_tokens": o.max_num_batched_tokens,
+            "max_requests_per_batch": o.max_num_seqs,
+            "allow_block_sharing": o.prefix_cache,
+            "seed": o.seed,
+        }
+
+    def cb_setup(self, max_seq_len: int, max_running: int, workload_hints=None) -> CbSetup:
+        """``cb_settings`` placed where the installed transformers takes them (see the module's
+        docstring); ``workload_hints`` passed on where it takes them."""
+        import transformers
+
+        settings = self.cb_settings(max_seq_len, max_running)
+        context_params = parameter_names(self.model.continuous_batching_context_manager)
+        context_kwargs: dict[str, object] = {}
+        if workload_hints is not None and "workload_hints" in context_params:
+            context_kwargs["workload_hints"] = workload_hints
+        config_cls = getattr(transformers, "ContinuousBatchingConfig", None)
+        config, attrs = None, {}
+        if config_cls is not None:
+            kwargs, unsupported = cb_kwargs(settings, parameter_names(config_cls))
+            config = context_kwargs["continuous_batching_config"] = config_cls(**kwargs)
+        else:
+            attrs, unsupported = cb_kwargs(settings, _GENERATION_CONFIG_CB_FIELDS)
+            if "allow_block_sharing" in unsupported and "allow_block_sharing" in context_params:
+                unsupported.remove("allow_block_sharing")
+                context_kwargs["allow_block_sharing"] = settings["allow_block_sharing"]
+        applied = {name: value for name, value in settings.items() if name not in unsupported}
+        return CbSetup(config, attrs, context_kwargs, applied, unsupported)
 
     def run_continuous(
         self,
@@ -202,11 +279,21 @@ class HFBaselines:
         """Requests through transformers' continuous batching manager, sent closed loop
         (``concurrency``) or at ``arrival_offsets``; one record per prompt with per-token times."""
         from transformers import GenerationConfig
-        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        try:
+            from transformers.generation.continuous_batching.utils import WorkloadHints
+        except ImportError:  # transformers < 5.8
+            WorkloadHints = None
 
         if (concurrency is None) == (arrival_offsets is None):
             raise ValueError("give exactly one of concurrency and arrival_offsets")
         o = self.options
+        n = len(prompts)
+        max_prompt_length = max(len(p) for p in prompts)
+        hints = None if WorkloadHints is None else WorkloadHints(
+            max_prompt_length=max_prompt_length, max_generated_length=o.max_new_tokens, num_requests=n)
+        max_running = min(n, o.max_num_seqs, concurrency or n)
+        self.last_cb_setup = setup = self.cb_setup(max_prompt_length + o.max_new_tokens, max_running, hints)
         gen_config = GenerationConfig(
             max_new_tokens=o.max_new_tokens,
             # no ignore_eos option in continuous batching: a negative EOS id means "no EOS"
@@ -214,23 +301,16 @@ class HFBaselines:
             pad_token_id=self.pad_token_id,
             **self._sampling_kwargs(),
         )
-        hints = WorkloadHints(
-            max_prompt_length=max(len(p) for p in prompts),
-            max_generated_length=o.max_new_tokens,
-            num_requests=len(prompts),
-        )
-        n = len(prompts)
+        for name, value in setup.generation_attrs.items():
+            setattr(gen_config, name, value)
         records = [RequestRecord(prompt_tokens=len(p)) for p in prompts]
         index_of: dict[str, int] = {}
-        max_running = min(n, o.max_num_seqs, concurrency or n)
-        self.last_cb_config = cb_config = self.cb_config(hints.max_prompt_length + o.max_new_tokens, max_running)
         self.torch.manual_seed(o.seed)
         with self.model.continuous_batching_context_manager(
             generation_config=gen_config,
-            continuous_batching_config=cb_config,
-            workload_hints=hints,
             block=True,
             timeout=60,
+            **setup.context_kwargs,
         ) as manager:
             next_i = 0
             num_done = 0
@@ -271,7 +351,9 @@ class HFBaselines:
                     rec.error_message = str(result.error)
                 else:
                     tokens = result.generated_tokens
-                    stamps = result.timestamps or []
+                    # one stamp per kept token (transformers 5.0 also stamps the step past the
+                    # length limit, whose token it drops)
+                    stamps = (result.timestamps or [])[: len(tokens)]
                     rec.completion_tokens = len(tokens)
                     rec.arrival_times = list(stamps)
                     rec.arrival_counts = [1] * len(stamps)

@@ -273,11 +273,13 @@ class Bench:
             if name == "hf":
                 details["batch_size"] = args.baseline_batch_size
             else:
-                cb = hf.last_cb_config
-                details["continuous_batching_config"] = {
-                    "page_size": cb.page_size, "num_blocks": cb.num_blocks, "max_batch_tokens": cb.max_batch_tokens,
-                    "max_requests_per_batch": cb.max_requests_per_batch, "allow_block_sharing": cb.allow_block_sharing,
-                }
+                # what the installed transformers took of our settings, and what it has no place for
+                setup = hf.last_cb_setup
+                details["continuous_batching_config"] = setup.applied
+                details["continuous_batching_unsupported"] = setup.unsupported
+                if setup.unsupported:
+                    print(f"pagewire bench: note: hf-cb ran without {', '.join(setup.unsupported)}: the installed "
+                          f"transformers' continuous batching has no such setting", file=sys.stderr)
             results.append(EngineResult(
                 name=name,
                 runs=[run_metrics(r, d, per_token=per_token) for r, d in measured],
