@@ -1,13 +1,15 @@
-"""The CUDA-graph decode path (padded static buffers), run eagerly on CPU.
+"""The CUDA-graph decode path (padded static buffers), run eagerly.
 
 Capture itself needs a GPU; everything it replays — padding rows that write nowhere (slot -1),
-static block tables, attention launched with host sizes fixed at capture — runs here with the
-Triton kernels under TRITON_INTERPRET=1, in a subprocess so the interpreter setting stays there.
+static block tables, attention launched with host sizes fixed at capture — runs through the Triton
+kernels: compiled on a CUDA device where there is one, and where there is none on the CPU under
+Triton's interpreter (TRITON_INTERPRET=1), in a subprocess so the interpreter setting stays there.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,20 +25,31 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 SCRIPT = textwrap.dedent(
     """
     import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["PAGEWIRE_ATTENTION_BACKEND"] = "triton"
     import torch
+    # the interpreter only without a CUDA device (it runs programs in Python, on CPU tensors); it must
+    # be on before triton's first import, which importing torch does not do
+    on_cuda = torch.cuda.is_available()
+    assert "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
+    if not on_cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["PAGEWIRE_ATTENTION_BACKEND"] = "triton"
     torch.set_num_threads(1)
     from pagewire import LLM, SamplingParams
     from worker_svc.cuda_graphs import DecodeGraphs, batch_ladder
     from tests.tiny_models import get_tiny_model
 
     assert batch_ladder(6) == [1, 2, 4, 6] and batch_ladder(256)[-1] == 256
-    llm = LLM(get_tiny_model("llama-gqa"), block_size=16, num_kv_blocks=64, enable_prefix_caching=False)
+    # no captured graphs of its own on a GPU: the reference is the eager step
+    llm = LLM(get_tiny_model("llama-gqa"), block_size=16, num_kv_blocks=64, enable_prefix_caching=False,
+              cuda_graphs=False)
     prompts = [[5, 6, 7, 8, 9], list(range(20, 37)), [42]]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     eager = [o.token_ids for o in llm.generate(prompts, sp)]
     runner = llm.runner
+    assert runner.device.type == ("cuda" if on_cuda else "cpu") and runner.decode_graphs is None
+    from kvcache.triton_attention import _paged_attention_kernel
+    interpreted = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+    assert interpreted != on_cuda, type(_paged_attention_kernel)  # compiled kernels on the GPU
     graphs = DecodeGraphs(runner.model, runner.kv_cache, 4, runner.max_model_len,
                           runner.block_tables.max_blocks_per_seq, runner.device, capture=False)
     runner.decode_graphs = graphs
@@ -45,13 +58,15 @@ SCRIPT = textwrap.dedent(
     assert padded == eager, (padded, eager)
     # the padding row wrote nothing: its slot stayed -1 and the cache is unchanged by it
     assert graphs.slot_mapping[3].item() == -1
-    print("ok", eager)
+    print("ok", "cuda, compiled kernels" if on_cuda else "cpu, interpreted kernels", eager)
     """
 )
 
 
 @pytest.mark.slow
 def test_padded_decode_graph_path_matches_eager():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300)
+    # the script switches the interpreter on itself, only where it needs it
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ok" in out.stdout
