@@ -207,6 +207,17 @@ class Settings:
         "and new calls queue; with more, calls on different connections are taken in side by side. A unix "
         "socket address gets one (default: %(default)s)", scope=(API,), check=_at_least(1), type=int, metavar="N")
 
+    # ---- observability: every process that runs steps ----------------------------------------
+    profile_steps: int = _setting(
+        0, "time the phases of each step in every process (worker: wait for plan, plan decode, apply plan, "
+        "prepare inputs, forward, sample, result send; core: wait for API servers, schedule, plan send, wait for "
+        "result, result decode, apply result, deliver, admission turns; API server: outputs decode, dispatch, "
+        "hand on, handlers) and log one line 'step profile {json}' every N steps per process: its role, steps, "
+        "tokens, wall and CPU time, and per phase the total µs, µs per step and µs per token. Host wall time: on "
+        "CUDA the worker's phases measure kernel launches, and sample waits for the GPU. pagewire.LLM takes it too "
+        "(its phases in one process; LLM.profile() returns the figures); 0: off, at no cost (default: %(default)s)",
+        scope=(WORKER, CORE, API), check=_at_least(0), type=int, metavar="N")
+
     # ---- processes ----------------------------------------------------------------------------
     api_servers: int = _setting(
         1, "API-server processes sharing the public address (SO_REUSEPORT: the kernel spreads connections); "
@@ -340,11 +351,14 @@ def check_all(obj, names) -> None:
 def add_arguments(parser: argparse.ArgumentParser, scopes: tuple[str, ...], *, title: str | None = None,
                   unset_defaults: bool = False, skip: tuple[str, ...] = ()) -> None:
     """Add the flags of the settings in ``scopes`` to ``parser``. With ``unset_defaults`` every
-    flag defaults to None (a caller that passes on only what was given, like the bench)."""
+    flag defaults to None (a caller that passes on only what was given, like the bench). A setting
+    of several scopes gets one flag per parser, from the first call that covers it."""
     group = parser.add_argument_group(title) if title else parser
+    added = parser.__dict__.setdefault("pagewire_settings", set())  # the settings this parser has flags for
     for f in _fields(scopes):
-        if f.name in skip:
+        if f.name in skip or f.name in added:
             continue
+        added.add(f.name)
         meta = f.metadata
         if meta["negate"]:
             group.add_argument(meta["negate"], dest=f.name, action="store_const", const=False,

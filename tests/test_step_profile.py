@@ -1,0 +1,108 @@
+"""The step-phase profile (``--profile-steps N``, pagewire_common.step_profile): phases add up, one
+line is logged every N steps with the documented figures, and off it costs one shared no-op."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+
+from pagewire_common import step_profile
+
+KEYS = {"role", "pid", "steps", "tokens", "wall_us", "cpu_us", "phases"}
+PHASE_KEYS = {"total_us", "us_per_step", "us_per_token"}
+
+
+@pytest.fixture(autouse=True)
+def profile_off_after():
+    yield
+    step_profile.configure("test", 0)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake perf_counter_ns: each call returns the next value of ``clock.ticks`` (ns)."""
+
+    class Clock:
+        def __init__(self):
+            self.ticks: list[int] = []
+
+        def __call__(self) -> int:
+            return self.ticks.pop(0)
+
+    fake = Clock()
+    monkeypatch.setattr(step_profile, "_clock", fake)
+    monkeypatch.setattr(step_profile, "_cpu_clock", lambda: 7_000)  # no CPU time passes
+    return fake
+
+
+def profile_lines(caplog) -> list[dict]:
+    return [step_profile.parse_line(r.getMessage()) for r in caplog.records
+            if r.name == "pagewire.profile" and step_profile.parse_line(r.getMessage())]
+
+
+def test_phases_accumulate_and_a_line_is_logged_every_n_steps(clock, caplog):
+    caplog.set_level(logging.INFO, logger="pagewire.profile")
+    clock.ticks = [0]  # the window starts
+    step_profile.configure("worker", 2)
+    clock.ticks = [1_000, 4_000, 5_000, 5_500]  # step 1: forward 3 µs, sample 0.5 µs
+    with step_profile.phase("forward"):
+        pass
+    with step_profile.phase("sample"):
+        pass
+    step_profile.end_step(4)
+    assert profile_lines(caplog) == []  # not yet: every 2 steps
+    clock.ticks = [10_000, 11_000, 20_000]  # step 2: forward 1 µs; the window ends at 20 µs
+    with step_profile.phase("forward"):
+        pass
+    step_profile.active().add("handlers", 2_000)
+    step_profile.end_step(4)
+    [line] = profile_lines(caplog)
+    assert set(line) == KEYS
+    assert (line["role"], line["steps"], line["tokens"], line["wall_us"], line["cpu_us"]) == ("worker", 2, 8, 20.0, 0.0)
+    assert line["phases"] == {
+        "forward": {"total_us": 4.0, "us_per_step": 2.0, "us_per_token": 0.5},
+        "sample": {"total_us": 0.5, "us_per_step": 0.25, "us_per_token": 0.062},
+        "handlers": {"total_us": 2.0, "us_per_step": 1.0, "us_per_token": 0.25},
+    }
+    # the next window starts empty; the summary holds every step since the start
+    clock.ticks = [30_000, 36_000, 40_000]
+    with step_profile.phase("forward"):
+        pass
+    step_profile.end_step(0)
+    summary = step_profile.active().summary()
+    assert (summary["steps"], summary["tokens"], summary["wall_us"]) == (3, 8, 40.0)
+    assert summary["phases"]["forward"] == {"total_us": 10.0, "us_per_step": 3.33, "us_per_token": 1.25}
+    assert len(profile_lines(caplog)) == 1
+    clock.ticks = [50_000, 50_000]
+    step_profile.active().reset()
+    assert step_profile.active().summary()["phases"] == {}
+
+
+def test_a_logged_line_reads_back_from_a_log_record_line():
+    line = '2025-01-01 00:00:00,000 INFO pagewire.profile: step profile {"role": "core", "phases": {}}'
+    assert step_profile.parse_line(line) == {"role": "core", "phases": {}}
+    assert step_profile.parse_line("2025-01-01 INFO pagewire.worker: worker ready") is None
+
+
+def test_off_it_logs_nothing_and_every_phase_is_one_shared_no_op(caplog):
+    caplog.set_level(logging.DEBUG)
+    assert step_profile.configure("worker", 0) is None and step_profile.active() is None
+    first = step_profile.phase("forward")
+    assert isinstance(first, contextlib.nullcontext) and step_profile.phase("sample") is first
+    for _ in range(100):
+        with step_profile.phase("forward"):
+            pass
+        step_profile.end_step(64)
+    assert not caplog.records
+
+
+def test_every_step_setting_is_checked():
+    from pagewire_common.settings import Settings
+
+    assert Settings().profile_steps == 0
+    with pytest.raises(ValueError, match="--profile-steps"):
+        Settings(profile_steps=-1)
+    with pytest.raises(ValueError, match="every_steps"):
+        step_profile.StepProfile("worker", 0)
