@@ -200,13 +200,12 @@ def test_dispatch_follows_the_backend_variable(backend, monkeypatch):
     with pytest.raises(AssertionError, match="reference"):
         paged.paged_attention(query, kv_triton, meta, 0.125)
     backend("auto")  # CPU tensors: the reference until the worker registers its C kernel
+    # a worker started earlier in this process (an LLM in another test) may have registered it
+    monkeypatch.setattr(paged, "_load_cpu_attention", None)
     with pytest.raises(AssertionError, match="reference"):
         paged.paged_attention(query, kv_triton, meta, 0.125)
     paged.use_cpu_attention(kernel)  # then the C kernel (tests/test_cpu_kernels.py checks that it builds here)
-    try:
-        torch.testing.assert_close(paged.paged_attention(query, kv_triton, meta, 0.125), expected, atol=2e-5, rtol=0)
-    finally:
-        paged.use_cpu_attention(None)
+    torch.testing.assert_close(paged.paged_attention(query, kv_triton, meta, 0.125), expected, atol=2e-5, rtol=0)
 
     backend("cuda")
     with pytest.raises(ValueError, match="PAGEWIRE_ATTENTION_BACKEND"):
