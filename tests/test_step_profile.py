@@ -98,6 +98,17 @@ def test_off_it_logs_nothing_and_every_phase_is_one_shared_no_op(caplog):
     assert not caplog.records
 
 
+def test_the_worker_phases_mark_nvtx_and_the_profile_with_one_call():
+    from worker_svc.nvtx import nvtx_range
+
+    step_profile.configure("worker", 0)
+    assert isinstance(nvtx_range("forward"), contextlib.nullcontext)
+    step_profile.configure("worker", 1000)
+    with nvtx_range("forward"):
+        pass
+    assert "forward" in step_profile.active().summary()["phases"]
+
+
 def test_every_step_setting_is_checked():
     from pagewire_common.settings import Settings
 
@@ -106,3 +117,47 @@ def test_every_step_setting_is_checked():
         Settings(profile_steps=-1)
     with pytest.raises(ValueError, match="every_steps"):
         step_profile.StepProfile("worker", 0)
+
+
+WORKER_PHASES = {"wait for plan", "plan decode", "apply plan", "prepare inputs", "forward", "sample", "result send"}
+CORE_PHASES = {"wait for API servers", "schedule", "plan send", "wait for result", "result decode", "apply result",
+               "deliver", "admission turns"}
+API_PHASES = {"outputs decode", "dispatch", "hand on", "handlers"}
+
+
+@pytest.mark.slow
+def test_serve_with_profile_steps_logs_a_profile_line_from_every_process(tiny_model_dir, tmp_path):
+    """`pagewire serve --profile-steps N` hands the setting to the worker, the core and the API
+    server, and each logs its own phases every N of its steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagewire_common.v1 import generation_pb2 as pb
+    from tests.service_utils import Proc, free_port, sampling, stub
+
+    addr = f"127.0.0.1:{free_port()}"
+    serve = Proc(["serve", "--model", str(tiny_model_dir("llama-gqa")), "--listen", addr, "--block-size", "4",
+                  "--num-kv-blocks", "200", "--profile-steps", "4"], tmp_path / "serve.log")
+    try:
+        serve.wait_for_output("pagewire ready", timeout=90)
+        client = stub(addr)
+
+        def generate(i: int) -> int:
+            request = pb.GenerateRequest(prompt_token_ids=[5 + i, 6, 7],
+                                         sampling=sampling(max_tokens=16, ignore_eos=True))
+            return sum(len(r.token_ids) for r in client.Generate(request))
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(generate, range(4))) == [16] * 4
+        serve.stop()
+        lines = [line for line in map(step_profile.parse_line, serve.output().splitlines()) if line]
+    finally:
+        serve.kill()
+    by_role = {}
+    for line in lines:
+        assert set(line) == KEYS and line["steps"] == 4, line
+        assert all(set(p) == PHASE_KEYS for p in line["phases"].values()), line
+        by_role.setdefault(line["role"], []).append(line)
+    assert set(by_role) == {"worker", "core", "api-server"}
+    assert WORKER_PHASES <= set(by_role["worker"][0]["phases"])
+    assert CORE_PHASES <= set().union(*(line["phases"] for line in by_role["core"]))
+    assert API_PHASES <= set().union(*(line["phases"] for line in by_role["api-server"]))

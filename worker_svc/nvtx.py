@@ -1,6 +1,8 @@
-"""NVTX ranges around the worker step's phases, for Nsight Systems timelines.
+"""The worker step's phases, marked once for two readers: NVTX ranges for Nsight Systems timelines
+and the step-phase profile (``--profile-steps``, ``pagewire_common.step_profile``).
 
-Off by default; PAGEWIRE_NVTX=1 turns them on (read once). Without CUDA they are no-ops."""
+NVTX is off by default; PAGEWIRE_NVTX=1 turns it on (read once); without CUDA it is a no-op. With
+both off a phase costs one call that returns a shared no-op context manager."""
 
 from __future__ import annotations
 
@@ -8,20 +10,23 @@ import contextlib
 
 import torch
 
-from pagewire_common import envs
+from pagewire_common import envs, step_profile
 
 _ENABLED = envs.nvtx_enabled() and torch.cuda.is_available()
 
 
 @contextlib.contextmanager
-def _range(name: str):
+def _range(name: str, timer):
     torch.cuda.nvtx.range_push(name)
     try:
-        yield
+        with timer:
+            yield
     finally:
         torch.cuda.nvtx.range_pop()
 
 
 def nvtx_range(name: str):
-    """``with nvtx_range("forward"): ...`` marks a phase when NVTX is enabled."""
-    return _range(name) if _ENABLED else contextlib.nullcontext()
+    """``with nvtx_range("forward"): ...`` marks a phase: an NVTX range when NVTX is enabled, and
+    its wall time in the step profile when that is on."""
+    timer = step_profile.phase(name)
+    return _range(name, timer) if _ENABLED else timer

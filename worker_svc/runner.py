@@ -220,9 +220,9 @@ class ModelRunner:
         else:
             with nvtx_range("forward"):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
-            if not inputs.sampled_states:
-                return result
-            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+                if not inputs.sampled_states:
+                    return result
+                logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
             if logits is None:  # a rank other than 0: rank 0 samples (and adjusts the logits)
                 self._awaiting_tokens = inputs.sampled_states
                 return result
@@ -239,7 +239,7 @@ class ModelRunner:
             adjuster.record(tokens)
             if num_top:
                 top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [N, num_top], best first
-        token_list = tokens.tolist()  # the step's one device -> host sync
+            token_list = tokens.tolist()  # the step's one device -> host sync (on CUDA: waits for the GPU)
         for state, token in zip(states, token_list):
             state.token_ids.append(token)
         if grammars is not None and grammars.num_active:

@@ -21,11 +21,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagewire_common import eventloop, wire
+from pagewire_common import eventloop, step_profile, wire
 from pagewire_common.addresses import add_port, check_address_free, describe, peer_name
 from pagewire_common.framelink import FrameListener
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 from pagewire_common.wire import TOKENIZER_FILES
+from worker_svc.nvtx import nvtx_range
 from worker_svc.parallel.group import GroupFailed
 
 log = logging.getLogger("pagewire.worker")
@@ -86,15 +87,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             runner.reset()
             log.info("scheduler connected (%s)", peer_name(context.peer()))
-            while (data := await conn.read()) is not None:
-                plan = wire.plan_from_pb(worker_pb2.StepPlan.FromString(data))
+            # the step's phases around the runner's own (worker_svc.nvtx): the time waiting for
+            # the plan (idle included), decoding it, encoding and writing the result
+            while True:
+                with nvtx_range("wait for plan"):
+                    data = await conn.read()
+                if data is None:
+                    break
+                with nvtx_range("plan decode"):
+                    plan = wire.plan_from_pb(worker_pb2.StepPlan.FromString(data))
                 try:
                     result = runner.execute(plan)  # inline: the loop has nothing else to do
                 except (KeyError, ValueError) as e:  # a plan that contradicts our state
                     log.error("bad step plan %d: %s", plan.step_id, e)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
                 self.num_steps += 1
-                conn.write(wire.result_to_pb(result).SerializeToString())
+                with nvtx_range("result send"):
+                    conn.write(wire.result_to_pb(result).SerializeToString())
+                step_profile.end_step(len(result.token_ids))
         except GroupFailed as e:  # as for a dead worker: UNAVAILABLE, and the worker stops
             failed = e
             self.on_fatal(str(e))
@@ -160,6 +170,7 @@ def serve(settings, listen: str | None) -> int:
     model_dir = resolve_model_path(settings.model)
     if settings.rank:
         return run_rank(model_dir, settings)
+    step_profile.configure("worker", settings.profile_steps)
     if settings.num_threads:
         import torch
 

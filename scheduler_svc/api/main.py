@@ -15,6 +15,7 @@ import time
 
 from grpc_health.v1 import health_pb2
 
+from pagewire_common import step_profile
 from pagewire_common.addresses import check_address_free, describe, http_url
 from pagewire_common.settings import Settings
 from pagewire_common.tls import TlsFiles
@@ -47,6 +48,7 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         if settings.http_listen != "off":
             check_address_free(settings.http_listen)
     tls = TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
+    step_profile.configure("api-server", settings.profile_steps)
     api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics())
     servers, port, servicer, health_servicer = await build_server(api, listen, reuse_port,
                                                                   listeners=settings.grpc_listeners,

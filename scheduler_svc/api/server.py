@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagewire_common import wire
+from pagewire_common import step_profile, wire
 from pagewire_common.addresses import add_port
 from pagewire_common.core_messages import CoreOutputs, CoreRequests, NewRequest, first_request_id
 from pagewire_common.eventloop import Outbox
@@ -98,6 +99,7 @@ class ApiServer:
         # core messages with tokens: dispatched to their streams, taken by every stream, told to the core
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         self._num_undelivered = 0  # streams with something put on their outbox and not yet taken
+        self._handed_on_ns = 0  # profiling: when the last message's deltas were handed on, until all are taken
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -214,7 +216,9 @@ class ApiServer:
         self.core_connected = True
         log.info("connected to the scheduler core at %s", self.core_address)
         while True:
-            msg = CoreOutputs.from_bytes(await self._session.read())
+            data = await self._session.read()
+            with step_profile.phase("outputs decode"):
+                msg = CoreOutputs.from_bytes(data)
             if msg.has_worker_state:
                 await self._worker_state(msg)
             self.dispatch(msg)
@@ -222,6 +226,7 @@ class ApiServer:
                 self._num_outputs_dispatched += 1
                 if not self._num_undelivered:
                     self.delivered()
+                step_profile.end_step(len(msg.request_ids))  # a step of the API server: a message with tokens
 
     async def _worker_state(self, msg: CoreOutputs) -> None:
         if msg.api_server_id:  # the session's first message: this server's ids from now on
@@ -264,6 +269,9 @@ class ApiServer:
         if not self._num_undelivered and self._num_outputs_done != self._num_outputs_dispatched:
             self._num_outputs_done = self._num_outputs_dispatched
             self._flush_wanted.set()
+            if self._handed_on_ns:  # profiling: the handlers' turns since the deltas were handed on
+                step_profile.active().add("handlers", time.perf_counter_ns() - self._handed_on_ns)
+                self._handed_on_ns = 0
 
     def _set_connected(self, up: bool) -> None:
         if up and not self.connected.is_set():
@@ -284,34 +292,41 @@ class ApiServer:
         pending, self.pending = self.pending, {}
         self.output.streams.clear()
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
+        self._handed_on_ns = 0
         failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
         for p in pending.values():
             p.outbox.put_nowait(failure)
 
     def dispatch(self, msg: CoreOutputs) -> None:
-        """Apply one step's outputs from the core to this server's streams."""
+        """Apply one step's outputs from the core to this server's streams. Step profile phases:
+        ``dispatch`` (errors, first tokens, text streams), ``hand on`` (the deltas onto their
+        streams' outboxes), and ``handlers``, from then until every stream woken took its part."""
         pending = self.pending
-        for err in msg.errors:
-            p = pending.pop(err.request_id, None)
-            if p is not None:
-                p.outbox.put_nowait(Failure(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message))
-                self.output.remove(err.request_id)
-                for index in range(1, p.n):  # a refused request's other samples never ran
-                    pending.pop(err.request_id + index, None)
-                    self.output.remove(err.request_id + index)
-        for request_id in msg.started_ids:
-            p = pending.get(request_id)
-            if p is not None and p.request is not None:
-                p.request.started()
-        ready, stopped = self.output.apply(msg)
-        for request_id, delta in ready:
-            p = pending[request_id]
-            p.outbox.put_nowait(delta)
-            if delta.finished:
-                del pending[request_id]
-        if stopped:
-            self._out.stop_ids.extend(stopped)
-            self._flush_wanted.set()
+        with step_profile.phase("dispatch"):
+            for err in msg.errors:
+                p = pending.pop(err.request_id, None)
+                if p is not None:
+                    p.outbox.put_nowait(Failure(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message))
+                    self.output.remove(err.request_id)
+                    for index in range(1, p.n):  # a refused request's other samples never ran
+                        pending.pop(err.request_id + index, None)
+                        self.output.remove(err.request_id + index)
+            for request_id in msg.started_ids:
+                p = pending.get(request_id)
+                if p is not None and p.request is not None:
+                    p.request.started()
+            ready, stopped = self.output.apply(msg)
+        with step_profile.phase("hand on"):
+            for request_id, delta in ready:
+                p = pending[request_id]
+                p.outbox.put_nowait(delta)
+                if delta.finished:
+                    del pending[request_id]
+            if stopped:
+                self._out.stop_ids.extend(stopped)
+                self._flush_wanted.set()
+        if ready and step_profile.active() is not None:
+            self._handed_on_ns = time.perf_counter_ns()
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvcache.allocator import BlockAllocator
+from pagewire_common import step_profile
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.requests import FinishReason, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
@@ -215,12 +216,15 @@ class EngineCore:
 def run_step(engine: EngineCore, link: PlanLink, depth: int = 1) -> StepTokens | None:
     """One turn of the driver over a link in this process (the offline ``LLM``, tests): send the
     next plan if there is one, and apply a result when one is due. The core service makes the same
-    three calls on its event loop."""
-    plan = engine.next_plan(depth)
+    three calls on its event loop, in step profile phases of the same names."""
+    with step_profile.phase("schedule"):
+        plan = engine.next_plan(depth)
     if plan is not None:
         link.send(plan)
     if engine.should_receive(plan is not None, depth):
-        return engine.on_result(link.receive())
+        result = link.receive()  # an in-process worker runs the plan now, in phases of its own
+        with step_profile.phase("apply result"):
+            return engine.on_result(result)
     return None
 
 

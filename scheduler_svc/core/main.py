@@ -21,6 +21,7 @@ import tempfile
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pagewire_common import step_profile
 from pagewire_common.addresses import add_port, check_address_free, http_url
 from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
 from pagewire_common.settings import API, PUBLIC, Settings
@@ -47,6 +48,7 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
     if settings.http_listen != "off":
         settings = settings.replace(http_listen=check_address_free(settings.http_listen, wait_s=5.0))
     TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)  # a bad file stops us here, not each API server
+    step_profile.configure("core", settings.profile_steps)
     loop = asyncio.get_running_loop()
     if core_listen is not None:
         check_address_free(core_listen)

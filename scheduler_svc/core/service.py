@@ -19,7 +19,7 @@ import logging
 
 import grpc
 
-from pagewire_common import wire
+from pagewire_common import step_profile, wire
 from pagewire_common.addresses import peer_name
 from pagewire_common.core_messages import BadRequest, CoreOutputs, CoreRequests, NewRequest, api_server_of
 from pagewire_common.framelink import FrameListener, LinkClosed
@@ -318,7 +318,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self._past["prefix_hits"] += engine.scheduler.num_prefix_hit_tokens
 
     async def _serve_steps(self) -> None:
-        """Run steps while connected; sleep when there is nothing to do."""
+        """Run steps while connected; sleep when there is nothing to do. Each part of a step is a
+        phase of the step profile (``--profile-steps``; the link times its wait and its decoding)."""
         engine, link = self.engine, self._link
         depth = 2 if self.settings.overlap else 1
         admit = depth > 1 and self.settings.admission_turns > 0
@@ -327,16 +328,24 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._wait_for_api_servers()
-            plan = engine.next_plan(depth)
+            with step_profile.phase("wait for API servers"):
+                await self._wait_for_api_servers()
+            with step_profile.phase("schedule"):
+                plan = engine.next_plan(depth)
             if plan is not None:
-                await link.send(plan)
+                with step_profile.phase("plan send"):
+                    await link.send(plan)
             if engine.should_receive(plan is not None, depth):
-                step = engine.on_result(await link.receive())
+                result = await link.receive()
+                with step_profile.phase("apply result"):
+                    step = engine.on_result(result)
                 self.num_steps += 1
-                self._deliver(step)
+                with step_profile.phase("deliver"):
+                    self._deliver(step)
                 if admit:
-                    await self._admit_arrivals()
+                    with step_profile.phase("admission turns"):
+                        await self._admit_arrivals()
+                step_profile.end_step(len(result.token_ids))
             elif plan is None:
                 # nothing to send and nothing outstanding (e.g. a request waits for blocks that
                 # only an abort can free): let the API servers' messages in before trying again

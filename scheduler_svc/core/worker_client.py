@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from pagewire_common import wire
+from pagewire_common import step_profile, wire
 from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
@@ -59,10 +59,12 @@ class WorkerLink:
         if self._session is None:
             raise WorkerLinkError("no session open with the worker")
         try:
-            data = await self._session.read()
+            with step_profile.phase("wait for result"):
+                data = await self._session.read()
         except LinkClosed as e:
             raise WorkerLinkError(f"worker {e}") from None
-        return wire.result_from_pb(worker_pb2.StepResult.FromString(data))
+        with step_profile.phase("result decode"):
+            return wire.result_from_pb(worker_pb2.StepResult.FromString(data))
 
     def close_stream(self) -> None:
         if self._session is not None:
