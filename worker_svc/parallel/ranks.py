@@ -208,6 +208,7 @@ def start_runner(model_dir: str | Path, settings: Settings):
 
     n = settings.num_ranks
     if n == 1:
+        _set_threads(settings.num_threads)  # the offline LLM's num_threads (the worker process sets its own too)
         return ModelRunner(model_dir, RunnerConfig.from_settings(settings))
     import torch.distributed as dist
 
