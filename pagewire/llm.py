@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence as Seq
 
+from pagewire_common import step_profile
 from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import RequestOutput, Usage
 from pagewire_common.sampling import SamplingParams
@@ -90,6 +91,8 @@ class LLM:
         self.engine = EngineCore(SchedulerConfig.from_settings(self.settings, self.runner.max_model_len), info)
         self.tokenizer = tokenizer
         self._request_ids = itertools.count()
+        # the step profile is the process's: this LLM's setting turns it on or off
+        step_profile.configure("offline", self.settings.profile_steps)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); the object is
@@ -105,6 +108,21 @@ class LLM:
     @property
     def allocator(self):
         return self.engine.allocator
+
+    def profile(self, reset: bool = False) -> dict | None:
+        """With ``profile_steps=N``: the step profile since this LLM started or was last reset, as
+        each ``step profile`` line logs it every N steps (``pagewire_common.step_profile``): ``steps``,
+        ``tokens`` (sampled), ``wall_us`` and per phase ``total_us``, ``us_per_step`` and
+        ``us_per_token``; the worker's phases (apply plan, prepare inputs, forward, sample) and the
+        core's and the API server's that run here (schedule, apply result, deliver, dispatch).
+        ``reset`` starts the figures over after reading them. None when profiling is off."""
+        profile = step_profile.active()
+        if profile is None:
+            return None
+        figures = profile.summary()
+        if reset:
+            profile.reset()
+        return figures
 
     def generate(
         self,
@@ -161,15 +179,20 @@ class LLM:
                 step = run_step(engine, link, depth)
                 if step is None:
                     continue
-                deliver(step, clients)
-                for outputs in steps:
-                    ready, stopped = processor.apply(outputs)
-                    for request_id in stopped:
-                        engine.finish(request_id)
-                        client.request_ids.discard(request_id)
-                    for request_id, delta in ready:
-                        collected[request_id].append(delta)
+                with step_profile.phase("deliver"):
+                    deliver(step, clients)
+                num_tokens = 0
+                with step_profile.phase("dispatch"):
+                    for outputs in steps:
+                        num_tokens += len(outputs.request_ids)
+                        ready, stopped = processor.apply(outputs)
+                        for request_id in stopped:
+                            engine.finish(request_id)
+                            client.request_ids.discard(request_id)
+                        for request_id, delta in ready:
+                            collected[request_id].append(delta)
                 steps.clear()
+                step_profile.end_step(num_tokens)
         except BaseException:
             for request_id in list(client.request_ids):
                 engine.abort(request_id)

@@ -119,6 +119,25 @@ def test_every_step_setting_is_checked():
         step_profile.StepProfile("worker", 0)
 
 
+def test_the_offline_llm_profiles_its_steps_and_reports_them(tiny_model_dir, caplog):
+    from pagewire import LLM, SamplingParams
+
+    caplog.set_level(logging.INFO, logger="pagewire.profile")
+    llm = LLM(tiny_model_dir("llama-gqa"), profile_steps=4, block_size=4, num_kv_blocks=200)
+    outs = llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [8, 8, 8]
+    figures = llm.profile(reset=True)
+    assert set(figures) == KEYS and figures["role"] == "offline" and figures["tokens"] == 24
+    # the worker's phases and the core's and the API server's that run in this process
+    assert {"apply plan", "prepare inputs", "forward", "sample", "schedule", "apply result", "deliver",
+            "dispatch"} <= set(figures["phases"])
+    assert all(set(p) == PHASE_KEYS for p in figures["phases"].values())
+    lines = profile_lines(caplog)
+    assert lines and all(line["steps"] == 4 and line["role"] == "offline" for line in lines)
+    assert llm.profile()["steps"] == 0  # reset
+    assert LLM(tiny_model_dir("llama-gqa"), block_size=4, num_kv_blocks=200).profile() is None
+
+
 WORKER_PHASES = {"wait for plan", "plan decode", "apply plan", "prepare inputs", "forward", "sample", "result send"}
 CORE_PHASES = {"wait for API servers", "schedule", "plan send", "wait for result", "result decode", "apply result",
                "deliver", "admission turns"}
