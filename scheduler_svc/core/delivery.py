@@ -103,28 +103,34 @@ def deliver(step: StepTokens, clients: dict[int, ApiClient]) -> None:
                 client.out_id_arrays.append(ids[mine])
                 client.out_token_arrays.append(tokens[mine])
             touched.add(client)
+    client = None
+    last_server = -1
     for seq in step.others:
         request_id = seq.seq_id
-        client = clients.get(request_id >> 32)
+        server = request_id >> 32
+        if server != last_server:  # a step's entries mostly come in runs of one API server
+            client, last_server = clients.get(server), server
         if client is None or request_id not in client.request_ids:
             continue
         tokens = seq.token_ids
+        sampling = seq.sampling
         client.out_ids.append(request_id)
         client.out_tokens.append(tokens[-1])
         if client.any_logprobs:
-            client.out_logprobs.append(seq.logprobs[-1] if seq.sampling.logprobs else NAN)
-        elif seq.sampling.logprobs:
+            client.out_logprobs.append(seq.logprobs[-1] if sampling.logprobs else NAN)
+        elif sampling.logprobs:
             client.any_logprobs = True
             client.out_logprobs = [NAN] * (len(client.out_ids) - 1) + [seq.logprobs[-1]]
         if client.out_top is not None:
-            client.out_top.append(seq.top_logprobs[-1] if seq.sampling.top_logprobs else None)
-        elif seq.sampling.top_logprobs:
+            client.out_top.append(seq.top_logprobs[-1] if sampling.top_logprobs else None)
+        elif sampling.top_logprobs:
             client.out_top = [None] * (len(client.out_ids) - 1) + [seq.top_logprobs[-1]]
-        out = client.outputs
-        if len(tokens) == seq.num_prompt_tokens + 1:  # its first token
+        if len(tokens) == len(seq.prompt_token_ids) + 1:  # its first token
+            out = client.outputs
             out.started_ids.append(request_id)
             out.num_cached_prompt_tokens.append(seq.num_cached_prompt_tokens or 0)
         if seq.finish_reason is not None:
+            out = client.outputs
             out.finished_ids.append(request_id)
             out.finish_reasons.append(seq.finish_reason)
             client.request_ids.discard(request_id)
