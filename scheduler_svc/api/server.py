@@ -269,9 +269,10 @@ class ApiServer:
         if not self._num_undelivered and self._num_outputs_done != self._num_outputs_dispatched:
             self._num_outputs_done = self._num_outputs_dispatched
             self._flush_wanted.set()
-            if self._handed_on_ns:  # profiling: the handlers' turns since the deltas were handed on
-                step_profile.active().add("handlers", time.perf_counter_ns() - self._handed_on_ns)
-                self._handed_on_ns = 0
+            profile = step_profile.active()
+            if self._handed_on_ns and profile is not None:  # the handlers' turns since the deltas were handed on
+                profile.add("handlers", time.perf_counter_ns() - self._handed_on_ns)
+            self._handed_on_ns = 0
 
     def _set_connected(self, up: bool) -> None:
         if up and not self.connected.is_set():
