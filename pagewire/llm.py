@@ -11,7 +11,7 @@ from typing import Sequence as Seq
 
 from pagewire_common import step_profile
 from pagewire_common.core_messages import CoreOutputs
-from pagewire_common.requests import RequestOutput, Usage
+from pagewire_common.requests import TextDelta, Usage
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import OFFLINE_SETTING_NAMES, SETTING_NAMES, Settings
 from scheduler_svc.api.text_stream import OutputProcessor
@@ -165,7 +165,7 @@ class LLM:
             for _ in range(1, sp.n):  # the samples take the next ids
                 next(self._request_ids)
             requests.append((request_id, f"offline-{request_id}", ids, sp))
-        collected: dict[int, list[RequestOutput]] = {}
+        collected: dict[int, list[TextDelta]] = {}
         for request_id, name, ids, sp in requests:
             engine.add_request(request_id, ids, sp, validated=True)
             client.request_ids.update(range(request_id, request_id + sp.n))
@@ -218,7 +218,7 @@ class LLM:
         return ids
 
     @staticmethod
-    def _merge(request_id: str, prompt_ids: list[int], deltas: list[RequestOutput]) -> GenerationOutput:
+    def _merge(request_id: str, prompt_ids: list[int], deltas: list[TextDelta]) -> GenerationOutput:
         last = deltas[-1]
         logprobs = None
         if last.logprobs is not None:

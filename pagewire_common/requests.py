@@ -1,5 +1,5 @@
 """What a request is on both sides of the core's boundary: how it ends (``FinishReason``), the
-token delta it produces (``RequestOutput``, with ``Usage`` on the last), and the one check of a
+text delta it streams (``TextDelta``, with ``Usage`` on the last), and the one check of a
 tokenized prompt against the engine's limits (``validate_prompt_tokens``), which the API servers,
 the core and the offline ``LLM`` all call. Torch-free, like the rest of the floor."""
 
@@ -25,8 +25,9 @@ class Usage:
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """A delta for one request: the tokens (and text, once detokenized) since its last output."""
+class TextDelta:
+    """What one request (one sample) streams next: its tokens since the last delta, their text once
+    detokenized, and on the last one why it finished and its usage."""
 
     request_id: str
     token_ids: list[int]

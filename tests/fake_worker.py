@@ -156,12 +156,12 @@ class DrivenEngine:
             run_step(self.engine, self.link, 1)
 
     def outputs(self, seqs):
-        """A ``RequestOutput`` per sequence (one token each), usage on the last."""
-        from pagewire_common.requests import RequestOutput, Usage
+        """A ``TextDelta`` per sequence (one token each), usage on the last."""
+        from pagewire_common.requests import TextDelta, Usage
 
         outs = []
         for seq in seqs:
-            out = RequestOutput(self.names[seq.seq_id], [seq.token_ids[-1]], "", seq.finish_reason,
+            out = TextDelta(self.names[seq.seq_id], [seq.token_ids[-1]], "", seq.finish_reason,
                                 [seq.logprobs[-1]] if seq.sampling.logprobs else None, index=seq.sample_index)
             if seq.sampling.top_logprobs:
                 out.top_logprobs = [seq.top_logprobs[-1]]

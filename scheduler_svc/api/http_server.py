@@ -21,7 +21,7 @@ import uuid
 
 from aiohttp import web
 
-from pagewire_common.requests import RequestOutput
+from pagewire_common.requests import TextDelta
 from scheduler_svc.api import metrics as metrics_mod
 from scheduler_svc.api.auth import check_authorization
 from scheduler_svc.api.openai_protocol import (
@@ -199,10 +199,10 @@ class _Answer:
         self.logprobs: dict[int, LogprobsBuilder] = {}
         self.usage = [0, 0, 0]
 
-    def _index(self, i: int, out: RequestOutput) -> int:
+    def _index(self, i: int, out: TextDelta) -> int:
         return i * self.parsed.n + out.index
 
-    def _count(self, out: RequestOutput) -> None:
+    def _count(self, out: TextDelta) -> None:
         if out.usage is not None:
             u = out.usage
             self.usage[1] += u.completion_tokens
@@ -210,7 +210,7 @@ class _Answer:
                 self.usage[0] += u.prompt_tokens
                 self.usage[2] += u.cached_prompt_tokens
 
-    def _lp(self, index: int, out: RequestOutput) -> dict | None:
+    def _lp(self, index: int, out: TextDelta) -> dict | None:
         if self.parsed.num_top_logprobs is None:
             return None
         builder = self.logprobs.get(index)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pagewire_common.requests import RequestOutput
+from pagewire_common.requests import TextDelta
 from pagewire_common.sampling import DEFAULT_SAMPLING, MAX_TOP_LOGPROBS, SamplingParams
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -293,7 +293,7 @@ class LogprobsBuilder:
         self.tokenizer = tokenizer
         self.offset = 0
 
-    def part(self, out: RequestOutput) -> dict:
+    def part(self, out: TextDelta) -> dict:
         tops = getattr(out, "top_logprobs", None) or [None] * len(out.token_ids)
         lps = out.logprobs or [float("nan")] * len(out.token_ids)
         entries = []

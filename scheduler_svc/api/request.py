@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Protocol
 import grpc
 
 from pagewire_common.eventloop import Outbox
-from pagewire_common.requests import RequestOutput, validate_prompt_tokens
+from pagewire_common.requests import TextDelta, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
 
 
@@ -97,7 +97,7 @@ class RequestError(Exception):
 
 
 class ApiRequest:
-    """A request handed to the core: iterate it for its deltas (lists of ``RequestOutput``, the
+    """A request handed to the core: iterate it for its deltas (lists of ``TextDelta``, the
     ones that piled up while the reader was busy); ``close`` it when done (an unfinished request
     is aborted, its blocks freed within a step)."""
 
@@ -118,7 +118,7 @@ class ApiRequest:
         self.was_started = False
         self.id = api.submit(request_id, prompt_token_ids, sampling, self.outbox, self)  # the core's id
 
-    async def __aiter__(self) -> AsyncIterator[list[RequestOutput]]:
+    async def __aiter__(self) -> AsyncIterator[list[TextDelta]]:
         while not self.finished:
             items = await self.outbox.take()
             last = items[-1]
@@ -138,7 +138,7 @@ class ApiRequest:
         if self.api.metrics is not None:
             self.api.metrics.queue_time(time.monotonic() - self.arrival, len(self.prompt_token_ids))
 
-    def _observe(self, items: list[RequestOutput]) -> None:
+    def _observe(self, items: list[TextDelta]) -> None:
         now = time.monotonic()
         n = sum(len(it.token_ids) for it in items)
         metrics = self.api.metrics

@@ -26,7 +26,7 @@ from pagewire_common.addresses import add_port
 from pagewire_common.core_messages import CoreOutputs, CoreRequests, NewRequest, first_request_id
 from pagewire_common.eventloop import Outbox
 from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
-from pagewire_common.requests import FinishReason, RequestOutput
+from pagewire_common.requests import FinishReason, TextDelta
 from pagewire_common.settings import default_of
 from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import core_pb2, core_pb2_grpc, generation_pb2_grpc
@@ -390,7 +390,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             req.close()
 
 
-def _response(request_id: str, items: list[RequestOutput]) -> pb.GenerateResponse:
+def _response(request_id: str, items: list[TextDelta]) -> pb.GenerateResponse:
     last = items[-1]
     if len(items) == 1:
         resp = pb.GenerateResponse(request_id=request_id, token_ids=last.token_ids, text=last.text,

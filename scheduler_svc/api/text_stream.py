@@ -12,7 +12,7 @@ at once; the others only when a delta goes out.
 from __future__ import annotations
 
 from pagewire_common.core_messages import CoreOutputs
-from pagewire_common.requests import FinishReason, RequestOutput, Usage
+from pagewire_common.requests import FinishReason, TextDelta, Usage
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import default_of
 from scheduler_svc.api.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -92,7 +92,7 @@ class TextStream:
             return True
         return pending > 0 and (not self.num_streamed_tokens or pending >= self.stream_interval)
 
-    def take(self) -> RequestOutput:
+    def take(self) -> TextDelta:
         """The delta since the last one (text detokenized now if not token by token)."""
         start = self.num_prompt_tokens + self.num_streamed_tokens
         new_ids = self.token_ids[start:]
@@ -105,7 +105,7 @@ class TextStream:
             text = self.detokenizer.update(self.token_ids, is_final=is_final)
         else:
             text = ""
-        out = RequestOutput(self.request_id, new_ids, text, self.finish_reason, new_logprobs, index=self.index)
+        out = TextDelta(self.request_id, new_ids, text, self.finish_reason, new_logprobs, index=self.index)
         if self.want_top_logprobs:
             out.top_logprobs = self.top_logprobs[start - self.num_prompt_tokens:]
         if is_final:
@@ -135,7 +135,7 @@ class OutputProcessor:
     def remove(self, request_id: int) -> None:
         self.streams.pop(request_id, None)
 
-    def apply(self, outputs: CoreOutputs) -> tuple[list[tuple[int, RequestOutput]], list[int]]:
+    def apply(self, outputs: CoreOutputs) -> tuple[list[tuple[int, TextDelta]], list[int]]:
         """Apply one step's tokens from the core. Returns the deltas due now, by request id (a
         finished stream is removed), and the ids of the requests that hit a stop string (end them
         in the core). Tokens of a request no longer here (ended by a stop string, or its client
