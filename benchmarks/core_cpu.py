@@ -41,7 +41,7 @@ class InstantWorker:
     async def info(self, timeout: float = 5.0):
         return SimpleNamespace(model_name="instant", vocab_size=50_000, max_model_len=4096, block_size=16,
                                num_kv_blocks=1 << 16, eos_token_ids=[0], dtype="float32", device="cpu",
-                               tokenizer_files={})
+                               tokenizer_files={}, structured_output=False)
 
     async def open(self) -> None:
         pass

@@ -86,7 +86,7 @@ class LLM:
             block_size=self.runner.block_size, num_kv_blocks=self.runner.num_kv_blocks,
             eos_token_ids=mc.eos_token_ids, dtype=dtype_name(self.runner.dtype), device=str(self.runner.device),
             tokenizer_eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
-            has_tokenizer=tokenizer is not None,
+            structured_output=self.runner.structured_output,
         )
         self.engine = EngineCore(SchedulerConfig.from_settings(self.settings, self.runner.max_model_len), info)
         self.tokenizer = tokenizer

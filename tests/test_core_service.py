@@ -43,6 +43,7 @@ class InProcessLink:
         return SimpleNamespace(
             model_name="fake", vocab_size=VOCAB, max_model_len=4096, block_size=BLOCK_SIZE,
             num_kv_blocks=NUM_BLOCKS, eos_token_ids=[EOS], dtype="float32", device="cpu", tokenizer_files={},
+            structured_output=False,
         )
 
     async def open(self) -> None:

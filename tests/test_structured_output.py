@@ -273,3 +273,26 @@ def test_a_model_without_tokenizer_refuses_structured_output(random_model_dir, t
         llm.generate([[5, 6, 7]], SamplingParams(regex="[a-z]+"))
     assert llm.engine.num_requests == 0
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_serves_without_structured_output(random_model_dir, tmp_path, caplog):
+    """The grammar engine refuses a tokenizer with more tokens than the model's vocabulary: the
+    worker still starts, says why in its log, reports no structured output, and a request for
+    one is refused while plain requests run."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    for path in random_model_dir.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    tok = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    vocab_size = json.loads((tmp_path / "config.json").read_text())["vocab_size"]
+    tok.add_tokens([f"<extra_{i}>" for i in range(vocab_size - tok.get_vocab_size(with_added_tokens=True) + 8)])
+    assert tok.get_vocab_size(with_added_tokens=True) > vocab_size
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with caplog.at_level("WARNING", logger="pagewire.worker"):
+        llm = LLM(tmp_path, block_size=16, num_kv_blocks=50)
+    assert "structured output is off for this model" in caplog.text
+    assert not llm.runner.structured_output and not llm.engine.worker_info.structured_output
+    with pytest.raises(ValueError, match="serves no structured output"):
+        llm.generate([[5, 6, 7]], SamplingParams(regex="[a-z]+"))
+    assert llm.engine.num_requests == 0
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3

@@ -168,6 +168,7 @@ def test_info_over_grpc(start_worker):
         info = worker_pb2_grpc.WorkerStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
     assert (info.model_name, info.block_size, info.num_kv_blocks) == ("tiny", 4, 64)
     assert "tokenizer.json" in info.tokenizer_files
+    assert info.structured_output  # its tokenizer fits its vocabulary: the grammar engine takes it
 
 
 def test_a_session_over_tcp_takes_its_frame_link_on_the_workers_host(start_worker):

@@ -85,6 +85,10 @@ class NullRunner:
         )
 
     @property
+    def structured_output(self) -> bool:
+        return self.grammars is not None
+
+    @property
     def num_seqs(self) -> int:
         return len(self.seqs)
 

@@ -168,6 +168,11 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     @property
+    def structured_output(self) -> bool:
+        """Whether it can constrain outputs to a grammar (``GrammarMasks.for_model`` built masks)."""
+        return self.adjuster.grammars is not None
+
+    @property
     def num_seqs(self) -> int:
         return len(self.seqs)
 

@@ -71,6 +71,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             hidden_size=mc.hidden_size,
             tokenizer_files=files,
             frame_link=self.frames.describe(),
+            structured_output=self.runner.structured_output,
         )
 
     async def Info(self, request, context):

@@ -21,7 +21,6 @@ still go on, so the output runs until the grammar is complete or ``max_tokens``.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,28 +31,13 @@ import numpy as np
 import torch
 
 from pagewire_common.grammar import grammar_of
+from pagewire_common.wire import tokenizer_eos_token_id
 from worker_svc.plan_state import SeqState
 
 log = logging.getLogger("pagewire.worker")
 
 _MAX_TEMPLATES = 256  # compiled grammars kept (LRU), one template matcher each
 _BITS = 32
-
-
-def tokenizer_eos_token_id(model_dir: Path, tokenizer_json: str) -> int | None:
-    """The id of ``eos_token`` in ``tokenizer_config.json``: the scheduler ends sequences on it
-    too (``WorkerInfo.build``), so the grammar's end must allow it."""
-    path = model_dir / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    eos = json.loads(path.read_text()).get("eos_token")
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    if not eos:
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(tokenizer_json).token_to_id(eos)
 
 
 class GrammarMasks:
@@ -79,16 +63,26 @@ class GrammarMasks:
 
     @classmethod
     def for_model(cls, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...], device) -> "GrammarMasks | None":
-        """Masks for the model in ``model_dir``, or None when it has no ``tokenizer.json``."""
+        """Masks for the model in ``model_dir``, or None when it has no ``tokenizer.json`` or the
+        grammar engine refuses its tokenizer (one with more tokens than the model's vocabulary):
+        the worker then serves without structured output and says so."""
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             return None
         text = path.read_text()
         eos = tuple(eos_token_ids)
-        extra = tokenizer_eos_token_id(Path(model_dir), text)
+        # the scheduler ends sequences on the tokenizer's EOS too (WorkerInfo.build), so the
+        # grammar's end must allow it
+        config = Path(model_dir) / "tokenizer_config.json"
+        files = {"tokenizer.json": text.encode(), **({config.name: config.read_bytes()} if config.is_file() else {})}
+        extra = tokenizer_eos_token_id(files)
         if extra is not None and extra not in eos:
             eos += (extra,)
-        return cls(text, vocab_size, eos, device)
+        try:
+            return cls(text, vocab_size, eos, device)
+        except ValueError as e:
+            log.warning("structured output is off for this model: the grammar engine refuses its tokenizer (%s)", e)
+            return None
 
     # ---- sequences ------------------------------------------------------------------------
 

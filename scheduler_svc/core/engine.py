@@ -59,14 +59,14 @@ class WorkerInfo:
     @classmethod
     def build(cls, *, model_name: str, vocab_size: int, max_model_len: int, block_size: int, num_kv_blocks: int,
               eos_token_ids, dtype: str, device: str, tokenizer_eos_token_id: int | None,
-              has_tokenizer: bool = True) -> "WorkerInfo":
+              structured_output: bool = True) -> "WorkerInfo":
         """The one place that assembles a worker's info: the tokenizer's EOS token ends
         generation too when the model config does not list it."""
         eos = tuple(int(t) for t in eos_token_ids)
         if tokenizer_eos_token_id is not None and tokenizer_eos_token_id not in eos:
             eos += (tokenizer_eos_token_id,)
         return cls(model_name, int(vocab_size), int(max_model_len), int(block_size), int(num_kv_blocks), eos,
-                   dtype, device, has_tokenizer)
+                   dtype, device, structured_output)
 
 
 class EngineCore:
@@ -104,7 +104,7 @@ class EngineCore:
             raise ValueError("a request needs a prompt (the engine core takes token ids)")
         token_ids = [int(t) for t in prompt_token_ids]
         if sampling.structured_output is not None and not self.worker_info.structured_output:
-            raise ValueError("structured output needs the model's tokenizer.json, which this model lacks")
+            raise ValueError("this model serves no structured output: it has no tokenizer.json, or the grammar engine refuses its tokenizer (the worker's log says why)")
         validate_prompt_tokens(token_ids, sampling, vocab_size=self.worker_info.vocab_size,
                                max_model_len=self.max_model_len, strict_length=strict_length,
                                max_num_seqs=self.config.max_num_seqs)

@@ -292,7 +292,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             model_name=info.model_name, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks, eos_token_ids=info.eos_token_ids,
             dtype=info.dtype, device=info.device, tokenizer_eos_token_id=eos_id,
-            has_tokenizer="tokenizer.json" in files,
+            structured_output=info.structured_output,
         )
         self._retire_engine()
         config = SchedulerConfig.from_settings(self.settings, info.max_model_len)
