@@ -57,7 +57,8 @@ class NewRequest:
 class CoreRequests:
     """What an API server queued for the core during one turn of its event loop."""
 
-    adds: list[NewRequest] = field(default_factory=list)
+    # new requests; an add whose sampling parameters did not decode arrives as a BadRequest
+    adds: list[NewRequest | BadRequest] = field(default_factory=list)
     abort_ids: list[int] = field(default_factory=list)  # the client went away: counted as aborted
     stop_ids: list[int] = field(default_factory=list)  # a stop string ended it: counted as finished
     num_rejected: int = 0  # requests this server refused since its last message (the core's Stats)
@@ -81,8 +82,8 @@ class CoreRequests:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "CoreRequests":
-        """Raises ``ValueError`` for an add whose sampling parameters cannot be read; the core
-        refuses such a request on its own (``adds`` then holds ``ValueError`` in its place)."""
+        """An add whose sampling parameters cannot be read becomes a ``BadRequest`` in ``adds``:
+        the core refuses that request alone, not the whole message."""
         msg = core_pb2.CoreRequests.FromString(data)
         adds = []
         for add in msg.adds:
