@@ -68,3 +68,55 @@ def test_a_bad_block_id_is_named_and_the_sequence_not_added():
     with pytest.raises(KeyError, match="step 4: sequence 7 is not known"):
         s.apply(StepPlan(4, running_seqs=[RunningSequence(7, 1)]))
     assert isinstance(s.scheduled(StepPlan(5)).seq_lens, np.ndarray)
+
+
+def test_kept_running_rows_match_a_fresh_lookup_over_random_plans():
+    """The running rows are looked up once and kept while the plan's ids stay the same: over
+    random plans (drops, readmissions under the same id, decodes, chunks) every step's batch is
+    what a fresh lookup of the states gives."""
+    import random
+
+    rng = random.Random(0)
+    s = states(num_kv_blocks=64, max_blocks_per_seq=16)
+    running: dict[int, int] = {}  # seq_id -> known tokens, as the scheduler sees it
+    last_version = s.version
+    for step in range(1, 300):
+        # 16 blocks of 4 hold 64 tokens: a sequence ends before it needs more
+        finished = [seq_id for seq_id in running if rng.random() < 0.1 or len(s.get(seq_id).token_ids) >= 60]
+        for seq_id in finished:
+            del running[seq_id]
+        new = []
+        for seq_id in rng.sample(range(12), 3):
+            if seq_id not in running and rng.random() < 0.5:  # a dropped id may come back
+                n = rng.randint(1, 9)
+                new.append(new_seq(seq_id, [seq_id * 100 + i for i in range(n)], list(range(16)),
+                                   rng.randint(1, n)))
+                running[seq_id] = n
+        new_ids = {x.seq_id for x in new}
+        rows = []
+        for seq_id in running:
+            if seq_id in new_ids:
+                continue
+            state = s.get(seq_id)
+            left = len(state.token_ids) - state.num_computed_tokens
+            rows.append(RunningSequence(seq_id, rng.randint(1, left) if left > 1 else 1,
+                                        block_table_start=1, block_ids=list(range(16, 31))) if rng.random() < 0.2
+                        else RunningSequence(seq_id, rng.randint(1, left) if left > 1 else 1))
+        plan = StepPlan(step, new_seqs=new, running_seqs=rows, finished_seq_ids=finished)
+        s.apply(plan)
+        batch = s.scheduled(plan)
+        expected = [s.get(x.seq_id) for x in new] + [s.get(r.seq_id) for r in rows]
+        assert batch.seq_ids == [x.seq_id for x in new] + [r.seq_id for r in rows]
+        assert all(a is b for a, b in zip(batch.states, expected)) and len(batch.states) == len(expected)
+        assert batch.rows.tolist() == [st.row for st in expected]
+        ends = [st.num_computed_tokens + n for st, n in
+                zip(expected, [x.num_scheduled_tokens for x in new] + [r.num_scheduled_tokens for r in rows])]
+        assert batch.seq_lens.tolist() == ends
+        assert batch.sampled == [i for i, (st, e) in enumerate(zip(expected, ends)) if e == len(st.token_ids)]
+        assert batch.num_blocks.tolist() == [int(s.tables.num_blocks[st.row]) for st in expected]
+        if batch.version == last_version:  # same version: the same states in the same order as last step
+            assert all(a is b for a, b in zip(batch.states, last_states))
+        last_version, last_states = batch.version, list(batch.states)
+        batch.advance()
+        for i in batch.sampled:  # "sample" a token for the sequences that reached their end
+            batch.states[i].token_ids.append(step)

@@ -84,9 +84,11 @@ class BlockTables:
         self.num_row_copies += len(self._dirty)
         self._dirty.clear()
 
-    def gather(self, rows: np.ndarray, num_cols: int) -> torch.Tensor:
-        """[len(rows), num_cols] int32 on the device: the step's block tables, in batch order."""
-        index = torch.from_numpy(rows)
-        if self.device.type != "cpu":
-            index = index.pin_memory().to(self.device, non_blocking=True)
+    def gather(self, rows: np.ndarray, num_cols: int, index: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(rows), num_cols] int32 on the device: the step's block tables, in batch order.
+        ``index``: ``rows`` already on the device (int64), when the caller copied them."""
+        if index is None:
+            index = torch.from_numpy(rows)
+            if self.device.type != "cpu":
+                index = index.pin_memory().to(self.device, non_blocking=True)
         return self.table.index_select(0, index)[:, :num_cols]

@@ -14,6 +14,11 @@ A step goes through two calls:
 - ``scheduled(plan)`` gathers the sequences the step computes, in batch order (new sequences, then
   running ones), and checks that none is scheduled past its known tokens or past its blocks before
   anything is changed. ``ScheduledSeqs.advance()`` then marks the scheduled tokens computed.
+
+The running rows are read from the plan's arrays (``running_seq_ids``), never as per-row objects.
+Their states and block-table rows are looked up once and kept (a ``_RunningGroup``) for as long as
+the plan's running ids stay the same and no sequence is dropped, which in a run of decode steps is
+every step; ``version`` changes whenever the group, or the set of sequences, changes.
 """
 
 from __future__ import annotations
@@ -56,22 +61,19 @@ class ScheduledSeqs:
 
     seq_ids: list[int]
     states: list[SeqState]
-    num_tokens: list[int]  # tokens this step computes per sequence
-    ends: list[int]  # computed tokens after this step
+    query_lens: np.ndarray  # [S] tokens this step computes per sequence
+    seq_lens: np.ndarray  # [S] computed tokens after this step
     sampled: list[int]  # indices of the sequences that reach the end of their known tokens
     rows: np.ndarray  # [S] block-table rows
-    seq_lens: np.ndarray  # [S] == ends
     num_blocks: np.ndarray  # [S] blocks in each sequence's table
+    # SequenceStates.version when built: equal versions hold the same states in the same order
+    version: int = 0
 
     def __len__(self) -> int:
         return len(self.states)
 
     def __iter__(self):
-        return zip(self.seq_ids, self.states, self.num_tokens)
-
-    @property
-    def query_lens(self) -> np.ndarray:
-        return np.asarray(self.num_tokens, dtype=np.int64)
+        return zip(self.seq_ids, self.states, self.query_lens.tolist())
 
     @property
     def starts(self) -> np.ndarray:
@@ -80,8 +82,18 @@ class ScheduledSeqs:
 
     def advance(self) -> None:
         """Mark this step's tokens computed (after the step's inputs are built)."""
-        for state, end in zip(self.states, self.ends):
+        for state, end in zip(self.states, self.seq_lens.tolist()):
             state.num_computed_tokens = end
+
+
+@dataclass(slots=True)
+class _RunningGroup:
+    """The states of a plan's running rows, looked up once and kept while they stay the same."""
+
+    seq_ids: np.ndarray  # [R] the plan's running_seq_ids
+    seq_id_list: list[int]
+    states: list[SeqState]
+    rows: np.ndarray  # [R] their block-table rows
 
 
 class SequenceStates:
@@ -92,6 +104,10 @@ class SequenceStates:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self._seqs: dict[int, SeqState] = {}
+        # the last plan's running rows: valid until a sequence is dropped (its id may come back
+        # as a new state) or the running ids change
+        self._running: _RunningGroup | None = None
+        self.version = 0  # changes whenever the set of sequences or the running group changes
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -108,6 +124,8 @@ class SequenceStates:
         for state in self._seqs.values():
             tables.release(state.row)
         self._seqs.clear()
+        self._running = None
+        self.version += 1
 
     def apply(self, plan: StepPlan) -> list[tuple[int, int]]:
         """Apply ``plan``'s drops, new sequences and block-table edits; return its block copies
@@ -120,6 +138,9 @@ class SequenceStates:
             state = seqs.pop(seq_id, None)
             if state is not None:
                 tables.release(state.row)
+                self._running = None
+        if plan.new_seqs:
+            self.version += 1
         for new in plan.new_seqs:
             if new.seq_id in seqs:
                 raise ValueError(f"step {step_id}: sequence {new.seq_id} is already known to this worker")
@@ -138,52 +159,66 @@ class SequenceStates:
                 num_prompt_tokens=new.num_prompt_tokens or len(new.token_ids),
                 stop_token_ids=tuple(new.stop_token_ids),
             )
-        for diff in plan.running_seqs:
-            state = seqs.get(diff.seq_id)
-            if state is None:
-                raise KeyError(f"step {step_id}: sequence {diff.seq_id} is not known to this worker")
-            if diff.block_ids:
-                row = state.row
-                tables.check_edit(int(tables.num_blocks[row]), diff.block_table_start, len(diff.block_ids))
-                _check_block_ids(diff.block_ids, num_kv_blocks, step_id)
-                tables.set(row, diff.block_table_start, diff.block_ids)
+        running = self._running_group(plan)
+        for i, start, block_ids in plan.block_updates:
+            if block_ids:
+                row = running.states[i].row
+                tables.check_edit(int(tables.num_blocks[row]), start, len(block_ids))
+                _check_block_ids(block_ids, num_kv_blocks, step_id)
+                tables.set(row, start, block_ids)
         tables.sync()
         copies = plan.block_copies
         for pair in copies:
             _check_block_ids(pair, num_kv_blocks, step_id)
         return copies
 
+    def _running_group(self, plan: StepPlan) -> _RunningGroup:
+        """The states of ``plan``'s running rows: the kept group when the ids are the same, else
+        looked up (``KeyError`` naming the first id this worker does not hold)."""
+        ids = plan.running_seq_ids
+        group = self._running
+        if group is not None and np.array_equal(group.seq_ids, ids):
+            return group
+        seqs = self._seqs
+        id_list = ids.tolist()
+        try:
+            states = [seqs[seq_id] for seq_id in id_list]
+        except KeyError:
+            missing = next(seq_id for seq_id in id_list if seq_id not in seqs)
+            raise KeyError(f"step {plan.step_id}: sequence {missing} is not known to this worker") from None
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        self._running = group = _RunningGroup(ids.copy(), id_list, states, rows)
+        self.version += 1
+        return group
+
     def scheduled(self, plan: StepPlan) -> ScheduledSeqs:
         """The sequences ``plan`` computes (after ``apply(plan)``), every one checked before any
         is changed: none may be scheduled past its known tokens or past its blocks."""
         seqs = self._seqs
-        seq_ids: list[int] = []
-        states: list[SeqState] = []
-        num_tokens: list[int] = []
-        ends: list[int] = []
-        rows: list[int] = []
-        sampled: list[int] = []
-        for group in (plan.new_seqs, plan.running_seqs):
-            for s in group:
-                state = seqs[s.seq_id]
-                n = s.num_scheduled_tokens
-                end = state.num_computed_tokens + n
-                known = len(state.token_ids)
-                if end >= known:
-                    if end > known:
-                        raise ValueError(f"step {plan.step_id}: scheduled past the known tokens of a sequence")
-                    sampled.append(len(states))
-                seq_ids.append(s.seq_id)
-                states.append(state)
-                num_tokens.append(n)
-                ends.append(end)
-                rows.append(state.row)
-        row_array = np.array(rows, dtype=np.int64)
-        seq_lens = np.array(ends, dtype=np.int64)
-        num_blocks = self.tables.num_blocks[row_array]
+        running = self._running_group(plan)
+        new_states = [seqs[s.seq_id] for s in plan.new_seqs]
+        if new_states:
+            seq_ids = [s.seq_id for s in plan.new_seqs] + running.seq_id_list
+            states = new_states + running.states
+            query_lens = np.concatenate((
+                np.array([s.num_scheduled_tokens for s in plan.new_seqs], dtype=np.int64),
+                plan.running_num_scheduled_tokens))
+            rows = np.concatenate((np.array([s.row for s in new_states], dtype=np.int64), running.rows))
+        else:
+            seq_ids, states = running.seq_id_list, running.states
+            query_lens, rows = plan.running_num_scheduled_tokens, running.rows
+        num_seqs = len(states)
+        # the counters live in the states; one pass reads them, the checks are over arrays
+        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_seqs)
+        known = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_seqs)
+        seq_lens = computed + query_lens
+        if (seq_lens > known).any():
+            raise ValueError(f"step {plan.step_id}: scheduled past the known tokens of a sequence")
+        num_blocks = self.tables.num_blocks[rows]
         if (seq_lens > num_blocks * self.block_size).any():
             raise ValueError(f"step {plan.step_id}: a sequence has too few blocks for its tokens")
-        return ScheduledSeqs(seq_ids, states, num_tokens, ends, sampled, row_array, seq_lens, num_blocks)
+        sampled = np.flatnonzero(seq_lens == known).tolist()
+        return ScheduledSeqs(list(seq_ids), states, query_lens, seq_lens, sampled, rows, num_blocks, self.version)
 
 
 def _check_block_ids(block_ids, num_kv_blocks: int, step_id: int) -> None:

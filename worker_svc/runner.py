@@ -90,6 +90,21 @@ class _StepInputs:
     meta: AttentionMetadata
     sampled_states: list[SeqState] = field(default_factory=list)
     sampled_seq_ids: list[int] = field(default_factory=list)
+    sampled_positions: np.ndarray | None = None  # [N] the position of each token sampled
+    version: int = 0  # ScheduledSeqs.version: equal versions and sampled, the same sampled states
+    sampled: list[int] = field(default_factory=list)  # indices of the sampled rows in the batch
+
+
+@dataclass(slots=True)
+class _SamplingGroup:
+    """The sampling parameters of one set of sampled rows, gathered once and kept while the step's
+    sequences (``version``) and its sampled rows stay the same."""
+
+    version: int
+    sampled: list[int]
+    batch: SamplingBatch
+    want_logprobs: bool
+    num_top: int  # most top logprobs a row asks for
 
 
 class ModelRunner:
@@ -148,6 +163,8 @@ class ModelRunner:
         self.num_block_copies = 0
         # ranks other than 0: the sequences that sampled in the last step, until rank 0's ids come
         self._awaiting_tokens: list[SeqState] = []
+        self._sampling: _SamplingGroup | None = None
+        self._to_device = _HostToDevice(self.device)
         log.debug(
             "model runner: %s architecture, %s on %s, %d KV blocks of %d tokens, max model length %d",
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
@@ -181,6 +198,7 @@ class ModelRunner:
         self.seqs.reset()
         self.adjuster.reset()
         self._awaiting_tokens = []
+        self._sampling = None
 
     def take_sampled(self, token_ids: list[int]) -> None:
         """On a rank other than 0: the ids rank 0 sampled in the last step, in its batch order."""
@@ -232,10 +250,12 @@ class ModelRunner:
                 self._awaiting_tokens = inputs.sampled_states
                 return result
         states = inputs.sampled_states
-        params = [s.sampling for s in states]
-        batch = SamplingBatch(params=params, positions=[len(s.token_ids) for s in states], want_logprobs=False)
-        want_logprobs = any(p.logprobs for p in params)
-        num_top = max(p.top_logprobs for p in params)
+        group = self._sampling_group(inputs)
+        batch = group.batch
+        batch.positions = inputs.sampled_positions
+        params = batch.params
+        want_logprobs = group.want_logprobs
+        num_top = group.num_top
         with nvtx_range("sample"):
             # logprobs are the model's distribution, before any adjustment
             raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs or num_top else None
@@ -260,6 +280,16 @@ class ModelRunner:
             result.top_logprobs = top_logprobs.flatten().tolist()
         return result
 
+    def _sampling_group(self, inputs: _StepInputs) -> _SamplingGroup:
+        group = self._sampling
+        if group is None or group.version != inputs.version or group.sampled != inputs.sampled:
+            params = [s.sampling for s in inputs.sampled_states]
+            self._sampling = group = _SamplingGroup(
+                inputs.version, inputs.sampled, SamplingBatch(params, inputs.sampled_positions, want_logprobs=False),
+                any(p.logprobs for p in params), max(p.top_logprobs for p in params),
+            )
+        return group
+
     def _prepare_inputs(self, plan: StepPlan) -> _StepInputs:
         batch = self.seqs.scheduled(plan)  # checks every scheduled sequence before changing any
         block_size = self.block_size
@@ -270,48 +300,96 @@ class ModelRunner:
         starts = seq_lens - query_lens
         rows = batch.rows
         num_blocks = batch.num_blocks
+        num_tokens = int(query_lens.sum())
+        max_query_len = int(query_lens.max())
+        sampled = batch.sampled
 
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-        # token t belongs to sequence seq_index[t] and sits at positions[t]
-        seq_index = np.repeat(np.arange(num_seqs), query_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
-        input_ids = np.fromiter(
-            (t for state, a, b in zip(states, starts.tolist(), batch.ends) for t in state.token_ids[a:b]),
-            dtype=np.int64,
-            count=num_tokens,
-        )
+        if max_query_len == 1 and num_tokens == num_seqs:  # decodes: sequence i computes token i
+            cu = np.arange(num_seqs + 1, dtype=np.int64)
+            seq_index = cu[:-1]
+            positions = starts
+            input_ids = np.fromiter((s.token_ids[a] for s, a in zip(states, starts.tolist())),
+                                    dtype=np.int64, count=num_tokens)
+        else:
+            cu = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(query_lens, out=cu[1:])
+            # token t belongs to sequence seq_index[t] and sits at positions[t]
+            seq_index = np.repeat(np.arange(num_seqs), query_lens)
+            positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
+            input_ids = np.fromiter(
+                (t for state, a, b in zip(states, starts.tolist(), seq_lens.tolist()) for t in state.token_ids[a:b]),
+                dtype=np.int64,
+                count=num_tokens,
+            )
         host_table = self.block_tables.host
         slot_mapping = host_table[rows[seq_index], positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-        sampled = batch.sampled
         logits_indices = cu[1:][sampled] - 1
 
-        dev = self.device
+        h2d = self._to_device
+        h2d.begin()
         meta = AttentionMetadata(
-            slot_mapping=_to_device(slot_mapping, torch.int64, dev),
-            query_start_loc=_to_device(cu, torch.int32, dev),
-            seq_lens=_to_device(seq_lens, torch.int32, dev),
-            block_tables=self.block_tables.gather(rows, int(num_blocks.max())),
-            max_query_len=int(query_lens.max()),
+            slot_mapping=h2d.copy("slot_mapping", slot_mapping, torch.int64),
+            query_start_loc=h2d.copy("query_start_loc", cu, torch.int32),
+            seq_lens=h2d.copy("seq_lens", seq_lens, torch.int32),
+            block_tables=self.block_tables.gather(rows, int(num_blocks.max()), h2d.copy("rows", rows, torch.int64)),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
-            logits_indices=_to_device(logits_indices, torch.int64, dev),
+            logits_indices=h2d.copy("logits_indices", logits_indices, torch.int64),
         )
         batch.advance()
-        return _StepInputs(
-            input_ids=_to_device(input_ids, torch.int64, dev),
-            positions=_to_device(positions, torch.int64, dev),
+        if len(sampled) == num_seqs:
+            sampled_states, sampled_seq_ids = states, batch.seq_ids
+        else:
+            sampled_states = [states[i] for i in sampled]
+            sampled_seq_ids = [batch.seq_ids[i] for i in sampled]
+        inputs = _StepInputs(
+            input_ids=h2d.copy("input_ids", input_ids, torch.int64),
+            positions=h2d.copy("positions", positions, torch.int64),
             meta=meta,
-            sampled_states=[states[i] for i in sampled],
-            sampled_seq_ids=[batch.seq_ids[i] for i in sampled],
+            sampled_states=sampled_states,
+            sampled_seq_ids=sampled_seq_ids,
+            sampled_positions=seq_lens[sampled],
+            version=batch.version,
+            sampled=sampled,
         )
+        h2d.end()
+        return inputs
 
 
-def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+class _HostToDevice:
+    """A step's host arrays to the device. On CPU a tensor over the array (cast where the dtype
+    differs). On CUDA each array is written into a pinned buffer of its own, kept across steps,
+    and copied with one non_blocking copy; before the next step writes the buffers, ``begin``
+    waits for the event recorded after the last step's copies (a rank that does not sample never
+    syncs with the device otherwise)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}  # name -> 1-D pinned host buffer
+        self._copied = None  # torch.cuda.Event recorded after the last step's copies
+
+    def begin(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def end(self) -> None:
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def copy(self, name: str, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """``array`` (1-D) as a ``dtype`` tensor on the device."""
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
+        n = array.shape[0]
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            # a dropped buffer stays allocated until its pending copy is done (torch's pinned allocator)
+            size = max(n, 2 * buf.numel() if buf is not None else 256)
+            self._buffers[name] = buf = torch.empty(size, dtype=dtype, pin_memory=True)
+        staged = buf[:n]
+        staged.numpy()[:] = array
+        return staged.to(self.device, non_blocking=True)

@@ -12,7 +12,8 @@ preempted and recomputed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,15 +25,18 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """Per-row sampling parameters for one step, built on the host once per step."""
+    """Per-row sampling parameters of a step's sampled rows. The runner keeps one while the rows
+    stay the same and sets only ``positions`` each step; what is read from ``params`` is read once."""
 
     params: list[SamplingParams]
-    positions: list[int]  # position of the token being sampled (seeds the generator)
+    positions: Sequence[int]  # [N] position of the token being sampled (seeds the generator)
     want_logprobs: bool
+    all_greedy: bool = field(init=False)
+    seeded_rows: list[int] = field(init=False)  # rows that draw from their own (seed, position) generator
 
-    @property
-    def all_greedy(self) -> bool:
-        return all(p.is_greedy for p in self.params)
+    def __post_init__(self) -> None:
+        self.all_greedy = all(p.is_greedy for p in self.params)
+        self.seeded_rows = [i for i, p in enumerate(self.params) if p.seed is not None and not p.is_greedy]
 
 
 class Sampler:
@@ -120,11 +124,10 @@ class Sampler:
     def _uniforms(self, batch: SamplingBatch, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
         """[N, 1] uniforms in [0, 1): one batched draw, then a (seed, position) generator per seeded row."""
         u = torch.rand(num_rows, 1, generator=self._generator, device=self.device, dtype=dtype)
-        for i, p in enumerate(batch.params):
-            if p.seed is not None and not p.is_greedy:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(_mix_seed(p.seed, batch.positions[i]))
-                u[i] = torch.rand(1, generator=g, device=self.device, dtype=dtype)
+        for i in batch.seeded_rows:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(_mix_seed(batch.params[i].seed, int(batch.positions[i])))
+            u[i] = torch.rand(1, generator=g, device=self.device, dtype=dtype)
         return u
 
 
