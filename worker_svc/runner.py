@@ -324,7 +324,10 @@ class ModelRunner:
         host_table = self.block_tables.host
         slot_mapping = host_table[rows[seq_index], positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-        logits_indices = cu[1:][sampled] - 1
+        all_sampled = len(sampled) == num_seqs
+        # a list index costs numpy a conversion per element: none when every sequence samples
+        sampled_index = slice(None) if all_sampled else np.asarray(sampled, dtype=np.int64)
+        logits_indices = cu[1:][sampled_index] - 1
 
         h2d = self._to_device
         h2d.begin()
@@ -340,7 +343,7 @@ class ModelRunner:
             logits_indices=h2d.copy("logits_indices", logits_indices, torch.int64),
         )
         batch.advance()
-        if len(sampled) == num_seqs:
+        if all_sampled:
             sampled_states, sampled_seq_ids = states, batch.seq_ids
         else:
             sampled_states = [states[i] for i in sampled]
@@ -351,7 +354,7 @@ class ModelRunner:
             meta=meta,
             sampled_states=sampled_states,
             sampled_seq_ids=sampled_seq_ids,
-            sampled_positions=seq_lens[sampled],
+            sampled_positions=seq_lens[sampled_index],
             version=batch.version,
             sampled=sampled,
         )
@@ -382,6 +385,9 @@ class _HostToDevice:
 
     def copy(self, name: str, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """``array`` (1-D) as a ``dtype`` tensor on the device."""
+        if self.device.type == "cpu":
+            t = torch.from_numpy(np.ascontiguousarray(array))
+            return t if t.dtype == dtype else t.to(dtype)
         if self.device.type != "cuda":
             return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
         n = array.shape[0]
