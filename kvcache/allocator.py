@@ -18,12 +18,18 @@ Invariants (checked by ``check_integrity``):
 
 Block hashes chain: ``hash((parent_hash, tuple(block_token_ids)))`` with a fixed root value,
 so equal hashes mean (up to 64-bit collisions) equal prefixes, not just equal blocks.
+
+KV events (``pagewire_common.kv_events``): while ``record_kv_events(True)``, registering a hash,
+evicting one and ``reset`` append an event to a list that ``take_kv_events`` drains; while off
+(the default) the only cost is a ``None`` check where a hash is registered or evicted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from pagewire_common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 # Parent hash of a sequence's first block. An int, because str hashes vary per process.
 _ROOT_BLOCK_HASH = 0x70A6E817E
@@ -63,6 +69,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._kv_events: list[KVEvent] | None = None  # recorded events, or None when not recording
         self.reset()
 
     def reset(self) -> None:
@@ -81,6 +88,44 @@ class BlockAllocator:
         # Chained hashes of the sequence's first blocks, computed whether or not they were
         # registered (a duplicate stays unhashed but its hash is still the next block's parent).
         self._seq_block_hashes: dict[int, list[int]] = {}
+        if self._kv_events is not None:
+            self._kv_events[:] = [AllBlocksCleared()]  # what was recorded before no longer matters
+
+    # ---- KV events ----------------------------------------------------------------------
+    def record_kv_events(self, on: bool) -> None:
+        """Start or stop recording KV events; stopping drops what was not taken."""
+        if not on:
+            self._kv_events = None
+        elif self._kv_events is None:
+            self._kv_events = []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (empty when not recording)."""
+        events = self._kv_events
+        if not events:
+            return []
+        self._kv_events = []
+        return events
+
+    def _record_stored(self, block_hash: int, parent_hash: int, token_ids: Sequence[int], block_index: int) -> None:
+        start = block_index * self.block_size
+        tokens = token_ids[start : start + self.block_size]
+        events = self._kv_events
+        last = events[-1] if events else None
+        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent_hash:
+            last.block_hashes.append(block_hash)  # the chain goes on: one event
+            last.token_ids.extend(tokens)
+            return
+        parent = None if block_index == 0 else parent_hash
+        events.append(BlockStored([block_hash], parent, list(tokens), self.block_size))
+
+    def _record_removed(self, block_hash: int) -> None:
+        events = self._kv_events
+        last = events[-1] if events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            events.append(BlockRemoved([block_hash]))
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -132,6 +177,8 @@ class BlockAllocator:
         if block_hash is not None:
             del self._hash_to_block[block_hash]
             self._block_hashes[block_id] = None
+            if self._kv_events is not None:
+                self._record_removed(block_hash)
         self._ref_counts[block_id] = 1
         return block_id
 
@@ -196,6 +243,8 @@ class BlockAllocator:
             if self._block_hashes[block_id] is None and block_hash not in self._hash_to_block:
                 self._block_hashes[block_id] = block_hash
                 self._hash_to_block[block_hash] = block_id
+                if self._kv_events is not None:
+                    self._record_stored(block_hash, parent_hash, token_ids, block_index)
 
     # ---- sequences ----------------------------------------------------------------------
     def _blocks_of(self, seq_id: int) -> list[int]:
