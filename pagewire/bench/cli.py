@@ -41,6 +41,10 @@ examples:
   pagewire bench --serve --num-requests 64 --concurrency 32 --max-new-tokens 64 --ignore-eos \
       --sampling-mix greedy,penalties,json_schema
 
+  # shared prefixes: 8 prefixes of 512 tokens, each request one of them + 128 tokens of its own;
+  # the summary gives the server's prefix-cache hit rate and the ideal one
+  pagewire bench --serve --prefix-groups 8 --prefix-len 512 --prompt-len 128 --num-requests 256
+
   # prefix-cache workload: the same text, alone and repeated 4 times
   pagewire bench --serve --prompt "The history of the lighthouse. " --prompt-repeats 1,4 --no-prefix-cache
 
@@ -156,6 +160,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--prompt-repeats", type=_repeats, default=None, metavar="K1,K2,...",
                    help="with --prompt: request i sends the text repeated K times, K cycling over the list "
                    "(default: 1)")
+    g.add_argument("--prefix-groups", type=positive_int, default=None, metavar="G",
+                   help="shared-prefix workload (with --prefix-len): each run draws G prefixes of random token ids "
+                   "(from --seed), request i sends prefix i %% G (round robin) followed by its own distinct suffix "
+                   "of --prompt-len random ids; the summary gives the server's prefix-cache hit rate beside the "
+                   "ideal one for the workload")
+    g.add_argument("--prefix-len", type=positive_int, default=None, metavar="L",
+                   help="tokens of each --prefix-groups prefix")
     g.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate per request "
                    "(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true",
@@ -224,6 +235,10 @@ def validate_args(args) -> None:
         raise BenchError("--prompt is empty")
     if args.prompt_repeats is not None and args.prompt is None:
         raise BenchError("--prompt-repeats needs --prompt")
+    if (args.prefix_groups is None) != (args.prefix_len is None):
+        raise BenchError("--prefix-groups and --prefix-len go together: give both (G prefixes of L tokens each)")
+    if args.prefix_groups is not None and args.prompt is not None:
+        raise BenchError("--prefix-groups builds random token ids: give --prompt-len for the suffixes, not --prompt")
     if args.prompt is None and args.prompt_len is None:
         args.prompt_len = _prompt_len(DEFAULT_PROMPT_LEN)
     if args.prompt is not None and args.prompt_repeats is None:

@@ -174,6 +174,10 @@ class Client:
                 raise ServerUnreachable(f"the server at {self.addr} is not ready after {timeout:g}s ({last_error})")
             await asyncio.sleep(0.2)
 
+    async def get_stats(self, timeout: float = 10.0) -> pb.Stats:
+        """The server's counters (``GetStats``); raises ``grpc.aio.AioRpcError``."""
+        return await self.stub.GetStats(pb.StatsRequest(), timeout=timeout)
+
     async def run(
         self,
         requests: Sequence[pb.GenerateRequest],

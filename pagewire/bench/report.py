@@ -20,6 +20,12 @@ The JSON document (``--json``), schema version 1::
                     token the client received, in µs; null over none), busy_fraction (cpu_s / the run's wall time:
                     1.0 = one core busy all along)}. Without --serve {"known": false, "reason": ...}: the bench does
                     not know the processes of a server it did not start.
+    prefix_cache    the server's prefix-cache counters (GetStats, over gRPC whatever the --backend) over each
+                    measured run: {"ideal_hit_rate": fraction of the prompt tokens in full KV blocks of a prefix an
+                    earlier request of the run sent (--prefix-groups; else null), "engines": {ours: {"known": true,
+                    runs: [COUNTS, ...], aggregate: COUNTS} | {"known": false, "reason": ...}}} for each of our
+                    columns; COUNTS = {queried_tokens, hit_tokens, hit_rate (hit / queried; null when nothing was
+                    looked up: prefix cache off)}. Counters are server-wide: other clients' requests count too.
     engines         {"pagewire" | "pagewire-openai" | "hf" | "hf-cb": {per_token_timings, details, runs: [RUN, ...], aggregate: RUN}}
     comparison      {baseline: {figure key: ratio or null}}; > 1 means pagewire is better (figure keys:
                     completion_tokens_per_s, total_tokens_per_s, requests_per_s, {ttft,tpot,itl,e2e}_{mean,p50,p95,p99})
@@ -50,6 +56,7 @@ from pagewire.bench.metrics import (
     inter_token_latencies,
     ttft,
 )
+from pagewire.bench.prefix_cache import prefix_cache_lines
 from worker_svc.cpu import features
 
 JSON_SCHEMA_VERSION = 1
@@ -104,10 +111,12 @@ def _table(rows: list[list[str]], align_left_cols: int = 1) -> str:
     return "\n".join(lines)
 
 
-def summary_text(results: list[EngineResult], header: list[str], server_cpu: dict | None = None) -> str:
+def summary_text(results: list[EngineResult], header: list[str], server_cpu: dict | None = None,
+                 prefix_cache: dict | None = None) -> str:
     """The summary table: one column per engine, and after each baseline the ratio of ours to it
-    (ours / baseline for throughput, baseline / ours for latency: > 1 means ours is better); then
-    the served server's CPU by role (the JSON's ``server_cpu``), where given."""
+    (ours / baseline for throughput, baseline / ours for latency: > 1 means ours is better); the
+    server's prefix-cache hit rate (the JSON's ``prefix_cache``) and the served server's CPU by role
+    (the JSON's ``server_cpu``), where given."""
     ours = next(r for r in results if r.name == OURS)
     baselines = [r for r in results if r.name != OURS]
     head = ["metric", OURS]
@@ -134,6 +143,8 @@ def summary_text(results: list[EngineResult], header: list[str], server_cpu: dic
             row += [_fmt_value(f.value(b.aggregate), f.unit), _fmt_ratio(ratios[b.name][f.key])]
         rows.append(row)
     out = list(header) + ["", _table(rows)]
+    if prefix_cache is not None:
+        out += ["", *prefix_cache_lines(prefix_cache)]
     if baselines:
         out += [
             "",
@@ -234,7 +245,7 @@ def environment() -> dict:
 
 def json_document(
     results: list[EngineResult], *, argv: list[str], command_line: str, config: dict, server: dict,
-    server_cpu: dict, env: dict,
+    server_cpu: dict, env: dict, prefix_cache: dict | None = None,
 ) -> dict:
     ours = next(r for r in results if r.name == OURS)
     return {
@@ -245,6 +256,7 @@ def json_document(
         "config": config,
         "server": server,
         "server_cpu": server_cpu,
+        "prefix_cache": prefix_cache,
         "engines": {r.name: r.to_dict() for r in results},
         "comparison": {r.name: compare(ours.aggregate, r.aggregate) for r in results if r.name != OURS},
     }

@@ -39,6 +39,9 @@ class Bench:
         # per (backend, mix) column the CPU seconds each role spent in each measured run
         self.server_roles: dict[str, list[int]] | None = None
         self.server_cpu: dict[tuple[str, str], list[dict[str, float]]] = {}
+        # per column the growth of the server's prefix-cache counters over each measured run, or why
+        # they could not be read (a str)
+        self.prefix_cache: dict[tuple[str, str], list | str] = {}
 
     def option(self, dest: str):
         value = getattr(self.args, dest)
@@ -82,6 +85,7 @@ class Bench:
     def build_workload(self) -> None:
         """Every run's prompts (and Poisson send times), fixed before anything is measured."""
         from pagewire.bench.loadgen import poisson_offsets, random_prompts, run_rng, text_prompts
+        from pagewire.bench.prefix_cache import prefix_group_prompts
 
         args = self.args
         info = self.model_info
@@ -98,11 +102,23 @@ class Bench:
             if self.tokenizer is not None:
                 excluded |= self.tokenizer.special_token_ids
                 vocab = min(vocab, self.tokenizer.vocab_size)
-            self._check_length(args.prompt_len[1])
-            self.run_prompts = [
-                random_prompts(n, args.prompt_len, vocab, excluded, run_rng(args.seed, i, "prompts"))
-                for i in range(self.num_runs)
-            ]
+            if args.prefix_groups is not None:
+                self._check_length(args.prefix_len + args.prompt_len[1])
+                allowed = [t for t in range(vocab) if t not in excluded]
+                try:
+                    self.run_prompts = [
+                        prefix_group_prompts(n, args.prefix_groups, args.prefix_len, args.prompt_len, allowed,
+                                             run_rng(args.seed, i, "prefix-groups"))
+                        for i in range(self.num_runs)
+                    ]
+                except ValueError as e:
+                    raise BenchError(str(e)) from None
+            else:
+                self._check_length(args.prompt_len[1])
+                self.run_prompts = [
+                    random_prompts(n, args.prompt_len, vocab, excluded, run_rng(args.seed, i, "prompts"))
+                    for i in range(self.num_runs)
+                ]
         if args.request_rate is not None:
             self.run_offsets = [poisson_offsets(n, args.request_rate, run_rng(args.seed, i, "arrivals"))
                                 for i in range(self.num_runs)]
@@ -152,6 +168,7 @@ class Bench:
             columns = [(backend, mix) for backend in args.backend for mix in args.sampling_mix]
             measured: dict[tuple[str, str], list] = {column: [] for column in columns}
             self.server_cpu = {column: [] for column in columns}
+            self.prefix_cache = {column: [] for column in columns}
             for i in range(self.num_runs):
                 plain = build_requests(self.run_prompts[i], sampling)
                 for backend, mix in columns:
@@ -159,6 +176,7 @@ class Bench:
                     label = self.run_label(self.engine_name(backend, mix), i)
                     measure_cpu = self.server_roles is not None and i >= args.warmup_runs
                     cpu_before = cpu_by_role(self.server_roles) if measure_cpu else None
+                    cache_before = await self.read_prefix_cache(client, backend, mix) if i >= args.warmup_runs else None
                     with self.progress(label) as bar:
                         common = dict(concurrency=args.concurrency, arrival_offsets=self.run_offsets[i],
                                       request_timeout=args.request_timeout, progress=bar)
@@ -174,6 +192,9 @@ class Bench:
                     self.log_run(label, result.records, result.duration_s, result.client_cpu_fraction)
                     if i >= args.warmup_runs:
                         measured[backend, mix].append(result)
+                        cache_after = await self.read_prefix_cache(client, backend, mix)
+                        if cache_before is not None and cache_after is not None:
+                            self.prefix_cache[backend, mix].append(cache_after.since(cache_before))
             return measured
         finally:
             if pool is not None:
@@ -181,6 +202,39 @@ class Bench:
             if http is not None:
                 await http.close()
             await client.close()
+
+    async def read_prefix_cache(self, client, backend: str, mix: str):
+        """The server's prefix-cache counters now (a PrefixCacheCounts), or None, the column's
+        entry then saying why, once they cannot be read."""
+        import grpc
+
+        from pagewire.bench.prefix_cache import PrefixCacheCounts
+
+        if isinstance(self.prefix_cache[backend, mix], str):
+            return None
+        try:
+            stats = await client.get_stats(self.args.connect_timeout)
+        except grpc.aio.AioRpcError as e:
+            self.prefix_cache[backend, mix] = (f"GetStats over gRPC at {client.addr} failed: "
+                                               f"{e.code().name}: {e.details()}")
+            return None
+        return PrefixCacheCounts(stats.num_prefix_cache_queried_tokens, stats.num_prefix_cache_hit_tokens)
+
+    def prefix_cache_dict(self) -> dict:
+        """The JSON's ``prefix_cache`` (schema in pagewire.bench.report)."""
+        from pagewire.bench.prefix_cache import ideal_hit_rate, prefix_cache_dict
+
+        args = self.args
+        ideal = None
+        if args.prefix_groups is not None:
+            block_size = self.model_info.block_size or self.option("block_size")
+            ideal = ideal_hit_rate([[len(p) for p in prompts] for prompts in self.run_prompts[args.warmup_runs:]],
+                                   args.prefix_groups, args.prefix_len, block_size)
+        engines = {}
+        for column, runs in self.prefix_cache.items():
+            engines[self.engine_name(*column)] = ({"known": False, "reason": runs} if isinstance(runs, str)
+                                                  else prefix_cache_dict(runs))
+        return {"ideal_hit_rate": ideal, "engines": engines}
 
     def engine_name(self, backend: str, mix: str) -> str:
         """The table's name for a door and a sampling mix: ours is the first of each given."""
@@ -302,6 +356,9 @@ class Bench:
         else:
             lo, hi = args.prompt_len
             prompt = f"{lo} random tokens" if lo == hi else f"{lo}-{hi} random tokens"
+            if args.prefix_groups is not None:
+                prompt = (f"one of {args.prefix_groups} prefixes of {args.prefix_len} random tokens (round robin) "
+                          f"+ {prompt} of its own")
         sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}"
         if args.sampling_mix != ["greedy"]:
             sampling += "; sampling mixes (every other request): " + ", ".join(args.sampling_mix)
@@ -323,7 +380,7 @@ class Bench:
         keys = ("num_requests", "concurrency", "request_rate", "seed", "prompt_len", "prompt", "prompt_repeats",
                 "max_new_tokens", "ignore_eos", "temperature", "warmup_runs", "repeat_runs", "request_timeout",
                 "baselines", "baseline_batch_size", "serve", "worker", "client_processes", "connections",
-                "sampling_mix")
+                "sampling_mix", "prefix_groups", "prefix_len")
         out = {k: getattr(args, k) for k in keys}
         out["prompt_len"] = list(args.prompt_len) if args.prompt_len else None
         out["worker"] = args.worker or "model"
@@ -419,12 +476,13 @@ class Bench:
                           file=sys.stderr)
         header = self.header(addr)
         server_cpu = self.server_cpu_dict(measured)
-        sys.stdout.write(summary_text(results, header, server_cpu))
+        prefix_cache = self.prefix_cache_dict()
+        sys.stdout.write(summary_text(results, header, server_cpu, prefix_cache))
         sys.stdout.flush()
         if args.json:
             doc = json_document(
                 results, argv=list(sys.argv), command_line=shlex.join(sys.argv), config=self.config_dict(),
-                server=self.server_dict(addr), server_cpu=server_cpu, env=environment(),
+                server=self.server_dict(addr), server_cpu=server_cpu, prefix_cache=prefix_cache, env=environment(),
             )
             write_json(args.json, doc)
             print(f"wrote {args.json}", file=sys.stderr)
