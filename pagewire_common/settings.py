@@ -179,7 +179,9 @@ class Settings:
     enable_prefix_caching: bool = _setting(
         True, "turn the prefix cache off", scope=(CORE,), negate="--no-prefix-cache")
     max_queued_requests: int = _setting(
-        1024, "waiting requests beyond this get RESOURCE_EXHAUSTED (default: %(default)s)", scope=(CORE,),
+        1024, "waiting requests beyond this get RESOURCE_EXHAUSTED; 0: no queue, a request is taken only when it "
+        "can start at once (its samples fit under --max-num-seqs beside those running and about to start) "
+        "(default: %(default)s)", scope=(CORE,),
         check=_at_least(0), type=int)
     overlap: bool = _setting(
         True, "wait for each step's result before sending the next plan (default: one plan in flight ahead)",

@@ -370,6 +370,55 @@ def test_refusals_come_back_on_the_stream_with_their_status():
     assert stats["num_requests_rejected"] == 4
 
 
+def test_no_queue_takes_requests_that_can_start_and_refuses_the_rest():
+    """--max-queued-requests 0: an idle engine takes what fits in the batch, a full one refuses."""
+    async def main():
+        service, _ = await _core(Settings(max_num_seqs=2, max_queued_requests=0, max_num_batched_tokens=64))
+        client = service.open_client()
+        ok = SamplingParams(max_tokens=30, ignore_eos=True)
+        received = Received(service)
+        collector = asyncio.ensure_future(received.collect(client, 3))
+        # idle: both start at the next step (one message, so neither has run when the other arrives)
+        service.apply(client, _requests(client, adds=[_add(1, [1, 2, 3], ok), _add(2, [4, 5, 6], ok)]))
+        service.apply(client, _requests(client, adds=[_add(3, [7, 8], ok)]))  # both places taken
+        for _ in range(10):
+            await asyncio.sleep(0)
+        running = service.engine.scheduler.num_running
+        service.apply(client, _requests(client, adds=[_add(4, [7, 8], ok)]))  # still full, now running
+        await asyncio.wait_for(collector, 30)
+        while len(received.finished) < 2:
+            await asyncio.wait_for(received.collect(client, 4), 30)
+        service.apply(client, _requests(client, adds=[_add(5, [9, 10], ok)]))  # idle again
+        await asyncio.wait_for(received.collect(client, 5), 30)
+        stats = service.stats()
+        await service.stop()
+        return received, stats, running
+
+    received, stats, running = asyncio.run(main())
+    assert running == 2
+    assert {rid: code for rid, (code, _) in received.errors.items()} == {
+        3: grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], 4: grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+    assert "no queue" in received.errors[3][1]
+    assert received.tokens == {1: reference_tokens([1, 2, 3], 30), 2: reference_tokens([4, 5, 6], 30),
+                               5: reference_tokens([9, 10], 30)}
+    assert stats["num_requests_rejected"] == 2 and stats["num_requests_finished"] == 3
+
+
+def test_a_queue_of_zero_refused_everything_before():
+    """The old check (num_waiting >= 0) refused every request; an idle engine takes one now."""
+    async def main():
+        service, _ = await _core(Settings(max_num_seqs=1, max_queued_requests=0))
+        client = service.open_client()
+        received = Received(service)
+        service.apply(client, _requests(client, adds=[_add(0, [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))]))
+        await asyncio.wait_for(received.collect(client, 1), 30)
+        await service.stop()
+        return received
+
+    received = asyncio.run(main())
+    assert received.errors == {} and received.tokens == {0: reference_tokens([1, 2], 3)}
+
+
 def test_a_lost_worker_fails_every_request_with_unavailable():
     async def main():
         service, links = await _core(Settings(max_num_batched_tokens=4096))

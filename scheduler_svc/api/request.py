@@ -187,14 +187,8 @@ async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages
                 fill_max_tokens) -> ApiRequest:
     if api.draining:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-    model = api.model
-    if model is None or not api.connected.is_set():
-        raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                           "the worker is not connected" if api.core_connected else "the scheduler core is not connected")
+    model = served_model(api, model_name)
     info = model.info
-    if model_name and model_name != info.model_name:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"unknown model {model_name!r}; this server serves {info.model_name!r}")
     given = sum(x is not None for x in (prompt, ids, messages))
     if given != 1:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -204,14 +198,7 @@ async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages
         if sampling_error is not None:
             raise ValueError(sampling_error)
         if ids is None:
-            if model.offloaded is None:
-                raise ValueError("this model has no tokenizer; send prompt_token_ids")
-            if messages is not None:
-                if not messages:
-                    raise ValueError("messages is empty")
-                _, ids = await model.offloaded.encode_chat(messages)
-            else:
-                ids = await model.offloaded.encode(prompt)
+            _, ids = await encode_prompt(model, prompt, messages)
             if not ids:
                 raise ValueError("prompt encodes to no tokens")
         if fill_max_tokens:
@@ -224,3 +211,29 @@ async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages
         return ApiRequest(api, request_id or uuid.uuid4().hex, list(ids), sampling)
     except NotReadyError as e:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+
+def served_model(api: ApiServer, model_name: str = ""):
+    """The served model (``ServedModel``) once the core and the worker are up, checked against the
+    name a client gave; ``RequestError`` (UNAVAILABLE, INVALID_ARGUMENT) otherwise."""
+    model = api.model
+    if model is None or not api.connected.is_set():
+        raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                           "the worker is not connected" if api.core_connected else "the scheduler core is not connected")
+    if model_name and model_name != model.info.model_name:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"unknown model {model_name!r}; this server serves {model.info.model_name!r}")
+    return model
+
+
+async def encode_prompt(model, prompt: str | None, messages: list[dict] | None) -> tuple[str | None, list[int]]:
+    """A prompt's token ids, or chat messages' rendering and its ids, off the event loop when big
+    (``OffloadedTokenizer``); ``ValueError`` for no tokenizer, no messages or a bad template. The
+    one encoding of text for Generate, Chat, Tokenize and the HTTP door."""
+    if model.offloaded is None:
+        raise ValueError("this model has no tokenizer; send prompt_token_ids")
+    if messages is not None:
+        if not messages:
+            raise ValueError("messages is empty")
+        return await model.offloaded.encode_chat(messages)
+    return None, await model.offloaded.encode(prompt)

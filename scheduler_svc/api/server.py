@@ -40,6 +40,7 @@ from scheduler_svc.api.request import (
     open_request,
 )
 from scheduler_svc.api.text_stream import OutputProcessor
+from scheduler_svc.api.tokenize import detokenize, tokenize
 from scheduler_svc.api.tokenizer import OffloadedTokenizer, Tokenizer
 
 log = logging.getLogger("pagewire.api")
@@ -363,6 +364,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except grpc.RpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler core is unavailable: {e.details()}")
 
+    async def Tokenize(self, request: pb.TokenizeRequest, context):
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            prompt, ids = await tokenize(self.api, prompt=request.prompt or None, messages=messages or None,
+                                         model_name=request.model)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids), prompt=prompt or "")
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context):
+        try:
+            text = await detokenize(self.api, list(request.token_ids), model_name=request.model)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        return pb.DetokenizeResponse(text=text)
+
+    async def GetLoads(self, request, context):
+        try:
+            stats = await self.api.stats()
+        except grpc.RpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler core is unavailable: {e.details()}")
+        return pb.Loads(cores=[core_load(0, stats)])  # one core today; each would answer its own Stats
+
     # ---- one request ------------------------------------------------------------------------
 
     async def _run(self, context, request_id, sampling_msg, model_name, **prompt):
@@ -388,6 +412,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.message)
         finally:
             req.close()
+
+
+def core_load(core: int, stats: pb.Stats) -> pb.CoreLoad:
+    """One core's load from its Stats: blocks held by requests, and its prefix-cache hit rate."""
+    queried = stats.num_prefix_cache_queried_tokens
+    return pb.CoreLoad(core=core, num_running=stats.num_running, num_waiting=stats.num_waiting,
+                       num_used_blocks=stats.num_total_blocks - stats.num_free_blocks,
+                       num_total_blocks=stats.num_total_blocks,
+                       prefix_cache_hit_rate=stats.num_prefix_cache_hit_tokens / queried if queried else 0.0)
 
 
 def _response(request_id: str, items: list[TextDelta]) -> pb.GenerateResponse:

@@ -244,8 +244,12 @@ def _pool_chat(messages: list[dict[str, str]]) -> tuple[str, list[int]]:
     return prompt, _pool_tokenizer.encode(prompt)
 
 
+def _pool_decode(token_ids: list[int]) -> str:
+    return _pool_tokenizer.decode(token_ids)
+
+
 class OffloadedTokenizer:
-    """Encodes prompts and renders chat templates without stalling the caller's event loop:
+    """Encodes prompts, renders chat templates and decodes ids without stalling the caller's event loop:
     small inputs inline, large ones in one helper process (started on first use)."""
 
     def __init__(self, tokenizer: Tokenizer, inline_chars: int = INLINE_CHARS):
@@ -283,6 +287,15 @@ class OffloadedTokenizer:
         import asyncio
 
         return await asyncio.get_running_loop().run_in_executor(self._executor(), _pool_chat, messages)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens skipped); ids that make about as much text as
+        ``inline_chars`` (four characters a token) are decoded inline."""
+        if len(token_ids) <= self.inline_chars // 4:
+            return self.tokenizer.decode(token_ids)
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), _pool_decode, token_ids)
 
     def close(self) -> None:
         """Stop the helper and wait for it (tens of milliseconds; longer only if it is encoding).

@@ -247,15 +247,33 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self.num_rejected += 1
             client.error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return
-        limit = engine.config.max_queued_requests
-        if engine.scheduler.num_waiting >= limit:
+        refusal = self._queue_refusal(engine, n)
+        if refusal is not None:
             self.num_rejected += 1
-            client.error(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"the queue is full ({limit} requests waiting); retry later")
+            client.error(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             return
         engine.add_request(request_id, token_ids, add.sampling, validated=True)
         client.request_ids.update(range(request_id, request_id + n))
         self.num_submitted += 1
+
+    @staticmethod
+    def _queue_refusal(engine: EngineCore, n: int) -> str | None:
+        """Why a request of ``n`` samples finds no room (RESOURCE_EXHAUSTED), or None.
+
+        ``--max-queued-requests N`` lets N requests wait. With 0 there is no queue: a request is
+        taken only when it can start at the next step, that is when its samples fit in the batch
+        (``max_num_seqs``) beside the running sequences and those already waiting, which under 0
+        are the ones taken since the last step (or preempted: they start again first)."""
+        scheduler, config = engine.scheduler, engine.config
+        limit = config.max_queued_requests
+        if limit == 0:
+            if scheduler.num_running + scheduler.num_waiting + n > config.max_num_seqs:
+                return (f"no room to start it now ({scheduler.num_running} running, {scheduler.num_waiting} about to "
+                        f"start, max_num_seqs {config.max_num_seqs}) and no queue (max_queued_requests 0); retry later")
+            return None
+        if scheduler.num_waiting >= limit:
+            return f"the queue is full ({limit} requests waiting); retry later"
+        return None
 
     # ---- the engine task -----------------------------------------------------------------------
 
