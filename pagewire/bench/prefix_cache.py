@@ -42,7 +42,8 @@ def prefix_group_prompts(
     ids drawn from ``allowed_ids``) + a suffix of its own, of a length drawn from
     ``suffix_len_range``; the suffixes are pairwise distinct. Raises ValueError when there are not
     ``n`` distinct suffixes to draw."""
-    from pagewire.bench.loadgen import prompt_lengths  # grpc: not for the report's import
+    # imported here: loadgen imports grpc, and the report imports this module
+    from pagewire.bench.loadgen import prompt_lengths
 
     if num_groups < 1 or prefix_len < 1:
         raise ValueError(f"need num_groups >= 1 and prefix_len >= 1, got {num_groups} and {prefix_len}")
