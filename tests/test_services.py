@@ -366,3 +366,55 @@ def test_logprobs_over_grpc_with_requests_that_do_not_ask(services, offline, mod
             assert lps == pytest.approx(expected[i].logprobs, abs=1e-4) and len(lps) == len(ids)
         else:
             assert lps == []
+
+
+def test_tokenize_and_detokenize_over_grpc(services, offline, model_dir):
+    s = stub(services)
+    tok = offline.tokenizer
+    text = "Tell me about the sea, and héllo 🌊."
+    reply = s.Tokenize(pb.TokenizeRequest(prompt=text, model=model_dir.name))
+    assert list(reply.token_ids) == tok.encode(text) and reply.num_tokens == len(reply.token_ids)
+    assert s.Detokenize(pb.DetokenizeRequest(token_ids=reply.token_ids)).text == tok.decode(tok.encode(text))
+    # Generate sends the same ids for the text as for the ids Tokenize gave
+    by_text, _, _ = collect(s.Generate(pb.GenerateRequest(prompt=text, sampling=sampling(max_tokens=4))))
+    by_ids, _, _ = collect(s.Generate(pb.GenerateRequest(prompt_token_ids=reply.token_ids, sampling=sampling(max_tokens=4))))
+    assert by_text == by_ids
+    # messages are rendered as Chat renders them
+    msgs = [pb.ChatMessage(role="user", content="Tell me about the sea.")]
+    chat = s.Tokenize(pb.TokenizeRequest(messages=msgs))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}])
+    assert chat.prompt == prompt and list(chat.token_ids) == tok.encode(prompt)
+    _, _, responses = collect(s.Chat(pb.ChatRequest(messages=msgs, sampling=sampling(max_tokens=2))))
+    assert responses[-1].usage.prompt_tokens == chat.num_tokens
+    for call, request in ((s.Tokenize, pb.TokenizeRequest()),
+                          (s.Tokenize, pb.TokenizeRequest(prompt="hi", messages=msgs)),
+                          (s.Detokenize, pb.DetokenizeRequest()),
+                          (s.Detokenize, pb.DetokenizeRequest(token_ids=[1, 10**6]))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_get_loads_follows_the_core(services):
+    s = stub(services)
+    assert_all_blocks_free(services)
+    idle = s.GetLoads(pb.LoadsRequest())
+    stats = s.GetStats(pb.StatsRequest())
+    assert len(idle.cores) == 1 and idle.cores[0].core == 0
+    assert (idle.cores[0].num_running, idle.cores[0].num_waiting, idle.cores[0].num_used_blocks) == (0, 0, 0)
+    assert idle.cores[0].num_total_blocks == stats.num_total_blocks == 600
+    long = s.Generate(pb.GenerateRequest(prompt_token_ids=list(range(5, 30)),
+                                         sampling=sampling(max_tokens=200, ignore_eos=True)))
+    next(long)
+    busy = s.GetLoads(pb.LoadsRequest()).cores[0]
+    assert busy.num_running == 1 and busy.num_used_blocks >= 25 // 4
+    long.cancel()
+    prompt = list(range(40, 70))  # 7 full blocks of 4: the second time they come from the prefix cache
+    for _ in range(2):
+        collect(s.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(max_tokens=2))))
+    assert_all_blocks_free(services)
+    after = s.GetLoads(pb.LoadsRequest()).cores[0]
+    stats = s.GetStats(pb.StatsRequest())
+    assert 0 < after.prefix_cache_hit_rate <= 1
+    assert after.prefix_cache_hit_rate == stats.num_prefix_cache_hit_tokens / stats.num_prefix_cache_queried_tokens
+    assert (after.num_running, after.num_waiting, after.num_used_blocks) == (0, 0, 0)
