@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagewire_common import wire
+from pagewire_common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from pagewire_common.requests import FinishReason
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.v1 import core_pb2
@@ -29,6 +30,9 @@ _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_U8 = np.dtype("u1")
+# KVEvents.kinds
+_KV_STORED, _KV_REMOVED, _KV_CLEARED = 1, 2, 3
 FINISH_CODES = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
 FINISH_REASONS = {code: reason for reason, code in FINISH_CODES.items()}
 API_SERVER_ID_SHIFT = 32
@@ -66,6 +70,8 @@ class CoreRequests:
     # CoreOutputs with tokens this server has handed to its streams so far (backpressure: the core
     # runs at most one step ahead of the slowest API server)
     num_outputs_done: int = 0
+    # set when it changes: this server has SubscribeKVEvents streams (True) or none left (False)
+    kv_events: bool | None = None
 
     def to_bytes(self) -> bytes:
         msg = core_pb2.CoreRequests(num_rejected=self.num_rejected, ready=self.ready,
@@ -78,6 +84,8 @@ class CoreRequests:
             msg.abort_ids = np.asarray(self.abort_ids, dtype=_I64).tobytes()
         if self.stop_ids:
             msg.stop_ids = np.asarray(self.stop_ids, dtype=_I64).tobytes()
+        if self.kv_events is not None:
+            msg.kv_events = self.kv_events
         return msg.SerializeToString()
 
     @classmethod
@@ -93,7 +101,10 @@ class CoreRequests:
                 adds.append(BadRequest(add.request_id, str(e)))
                 continue
             adds.append(NewRequest(add.request_id, np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling))
-        return cls(adds, _ids(msg.abort_ids), _ids(msg.stop_ids), msg.num_rejected, msg.ready, msg.num_outputs_done)
+        requests = cls(adds, _ids(msg.abort_ids), _ids(msg.stop_ids), msg.num_rejected, msg.ready, msg.num_outputs_done)
+        if msg.HasField("kv_events"):
+            requests.kv_events = msg.kv_events
+        return requests
 
 
 @dataclass(slots=True)
@@ -138,6 +149,8 @@ class CoreOutputs:
     worker_connected: bool = False
     worker_generation: int = 0  # changes whenever the core connects to a (new) worker
     api_server_id: int = 0  # in the session's first message: the high bits of this server's ids
+    # the step's KV-cache events, to an API server that subscribed (alone: not counted in has_tokens)
+    kv_events: KVEventBatch | None = None
 
     @property
     def has_tokens(self) -> bool:
@@ -164,6 +177,8 @@ class CoreOutputs:
         if self.started_ids:
             msg.started_ids = np.asarray(self.started_ids, dtype=_I64).tobytes()
             msg.num_cached_prompt_tokens = np.asarray(self.num_cached_prompt_tokens, dtype=_I32).tobytes()
+        if self.kv_events is not None:
+            msg.kv_events.CopyFrom(_kv_events_to_pb(self.kv_events))
         return msg.SerializeToString()
 
     @classmethod
@@ -187,7 +202,56 @@ class CoreOutputs:
         if msg.started_ids:
             out.started_ids = _ids(msg.started_ids)
             out.num_cached_prompt_tokens = np.frombuffer(msg.num_cached_prompt_tokens, dtype=_I32).tolist()
+        if msg.HasField("kv_events"):
+            out.kv_events = _kv_events_from_pb(msg.kv_events)
         return out
+
+
+def _kv_events_to_pb(batch: KVEventBatch) -> core_pb2.KVEvents:
+    kinds, num_hashes, hashes, parents, has_parent, token_ids = [], [], [], [], [], []
+    block_size = 0
+    for event in batch.events:
+        if isinstance(event, AllBlocksCleared):
+            kinds.append(_KV_CLEARED)
+            num_hashes.append(0)
+            continue
+        num_hashes.append(len(event.block_hashes))
+        hashes.extend(event.block_hashes)
+        if isinstance(event, BlockRemoved):
+            kinds.append(_KV_REMOVED)
+            continue
+        kinds.append(_KV_STORED)
+        has_parent.append(event.parent_block_hash is not None)
+        parents.append(0 if event.parent_block_hash is None else event.parent_block_hash)
+        token_ids.extend(event.token_ids)
+        block_size = event.block_size
+    return core_pb2.KVEvents(
+        core_index=batch.core_index, seq=batch.seq, block_size=block_size,
+        kinds=np.asarray(kinds, dtype=_I32).tobytes(), num_hashes=np.asarray(num_hashes, dtype=_I32).tobytes(),
+        block_hashes=np.asarray(hashes, dtype=_I64).tobytes(), parent_block_hashes=np.asarray(parents, dtype=_I64).tobytes(),
+        has_parent=np.asarray(has_parent, dtype=_U8).tobytes(), token_ids=np.asarray(token_ids, dtype=_I32).tobytes())
+
+
+def _kv_events_from_pb(msg: core_pb2.KVEvents) -> KVEventBatch:
+    hashes = np.frombuffer(msg.block_hashes, dtype=_I64).tolist()
+    parents = np.frombuffer(msg.parent_block_hashes, dtype=_I64).tolist()
+    has_parent = np.frombuffer(msg.has_parent, dtype=_U8).tolist()
+    token_ids = np.frombuffer(msg.token_ids, dtype=_I32).tolist()
+    block_size = msg.block_size
+    batch = KVEventBatch(msg.core_index, msg.seq)
+    h = stored = t = 0
+    for kind, n in zip(np.frombuffer(msg.kinds, dtype=_I32).tolist(), np.frombuffer(msg.num_hashes, dtype=_I32).tolist()):
+        if kind == _KV_CLEARED:
+            batch.events.append(AllBlocksCleared())
+        elif kind == _KV_REMOVED:
+            batch.events.append(BlockRemoved(hashes[h : h + n]))
+        else:
+            parent = parents[stored] if has_parent[stored] else None
+            batch.events.append(BlockStored(hashes[h : h + n], parent, token_ids[t : t + n * block_size], block_size))
+            stored += 1
+            t += n * block_size
+        h += n
+    return batch
 
 
 def _ids(data: bytes) -> list[int]:

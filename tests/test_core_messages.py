@@ -61,3 +61,21 @@ def test_outputs_round_trip():
 def test_a_message_without_tokens_does_not_count_for_backpressure():
     got = CoreOutputs.from_bytes(CoreOutputs(errors=[CoreError(1, 3, "bad")]).to_bytes())
     assert not got.has_tokens and got.logprobs is None and got.top_token_ids is None
+
+
+def test_kv_events_round_trip_in_both_directions():
+    from pagewire_common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    big = -(1 << 63) + 5  # hashes use the whole signed 64-bit range
+    batch = KVEventBatch(0, 7, [
+        BlockStored([11, big], None, [1, 2, 3, 4, 5, 6], 3),
+        BlockRemoved([big, 12, (1 << 63) - 1]),
+        AllBlocksCleared(),
+        BlockStored([13], 11, [7, 8, 9], 3),
+    ])
+    out = CoreOutputs.from_bytes(CoreOutputs(kv_events=batch).to_bytes())
+    assert out.kv_events == batch and not out.has_tokens
+    assert CoreOutputs.from_bytes(CoreOutputs().to_bytes()).kv_events is None
+    assert CoreRequests.from_bytes(CoreRequests(kv_events=False).to_bytes()).kv_events is False
+    assert CoreRequests.from_bytes(CoreRequests(kv_events=True).to_bytes()).kv_events is True
+    assert CoreRequests.from_bytes(CoreRequests().to_bytes()).kv_events is None

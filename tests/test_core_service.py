@@ -476,3 +476,99 @@ def test_the_core_runs_at_most_a_step_ahead_of_an_api_server_that_has_not_caught
     steps, received = asyncio.run(main())
     # 40 sampling steps and the plan that drops the finished sequence; the rest of the tokens came
     assert steps == 41 and len(received.tokens[0]) == 38
+
+
+class _SmallCacheLink(InProcessLink):
+    """An in-process worker with 8 KV blocks, so that a second prompt evicts the first's."""
+
+    NUM_BLOCKS = 8
+
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.worker = FakeKVWorker(self.NUM_BLOCKS, BLOCK_SIZE)
+        self.plans = self.worker.plans
+
+    async def info(self, timeout: float = 5.0):
+        info = await super().info(timeout)
+        info.num_kv_blocks = self.NUM_BLOCKS
+        return info
+
+
+async def _run_to_end(service: CoreService, client: ApiClient, index: int, prompt: list[int], max_tokens: int,
+                      batches: list):
+    """Submit one request and read the client's messages until it finishes, acknowledging each as an
+    API server does; the KV event batches go on ``batches``."""
+    service.apply(client, _requests(client, adds=[_add(index, prompt, SamplingParams(max_tokens=max_tokens,
+                                                                                     ignore_eos=True))]))
+    rid = first_request_id(client.api_server_id) + index
+    while True:
+        for msg in await asyncio.wait_for(client.outbox.take(), 10):
+            assert not msg.errors
+            if msg.kv_events is not None:
+                batches.append(msg.kv_events)
+            if msg.has_tokens:
+                client.num_done = getattr(client, "num_done", 0) + 1
+                service.apply(client, _requests(client, num_outputs_done=client.num_done))
+            if rid in msg.finished_ids:
+                return
+
+
+def _chain(token_ids: list[int]) -> list[int]:
+    from kvcache.allocator import _ROOT_BLOCK_HASH
+
+    hashes, parent = [], _ROOT_BLOCK_HASH
+    for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = hash((parent, tuple(token_ids[start : start + BLOCK_SIZE])))
+        hashes.append(parent)
+    return hashes
+
+
+def test_a_subscribed_api_server_gets_stored_and_removed_kv_events():
+    from pagewire_common.kv_events import BlockRemoved, BlockStored
+
+    async def main():
+        service = CoreService("in-process", Settings(max_num_batched_tokens=4096, admission_turns=0),
+                              link_factory=_SmallCacheLink)
+        service.start()
+        await asyncio.wait_for(service.connected.wait(), 5)
+        quiet, client = service.open_client(), service.open_client()
+        service.apply(client, _requests(client, kv_events=True))
+        allocator = service.engine.allocator
+        batches: list = []
+        prompt_a = list(range(1, 11))  # two full blocks and two tokens
+        await _run_to_end(service, client, 0, prompt_a, 3, batches)
+        cached_a = dict(allocator._hash_to_block)
+        num_a = len(batches)
+        # 28 tokens and 2 more fill all 8 blocks: every hash of the first prompt is evicted
+        await _run_to_end(service, client, 1, list(range(30, 58)), 2, batches)
+        allocator.check_integrity()
+        service.apply(client, _requests(client, kv_events=False))
+        recording_after = allocator._kv_events
+        quiet_messages = [m for m in quiet.outbox._items if m.kv_events is not None]
+        await service.stop()
+        return batches, num_a, cached_a, recording_after, quiet_messages
+
+    batches, num_a, cached_a, recording_after, quiet_messages = asyncio.run(main())
+    assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
+    assert {b.core_index for b in batches} == {0}
+    events_a = [e for b in batches[:num_a] for e in b.events]
+    assert all(isinstance(e, BlockStored) and e.block_size == BLOCK_SIZE for e in events_a)
+    stored_a = [h for e in events_a for h in e.block_hashes]
+    # the prompt's two full blocks, chained from the root
+    tokens_a = list(range(1, 11)) + reference_tokens(list(range(1, 11)), 3)
+    assert stored_a == _chain(tokens_a)[: len(stored_a)] and len(stored_a) >= 2
+    assert set(stored_a) == set(cached_a)  # exactly the allocator's hashes
+    parent = None
+    for e in events_a:  # each event continues the chain of the one before
+        assert e.parent_block_hash == parent
+        start = stored_a.index(e.block_hashes[0]) * BLOCK_SIZE
+        assert e.token_ids == tokens_a[start : start + len(e.block_hashes) * BLOCK_SIZE]
+        parent = e.block_hashes[-1]
+    events_b = [e for b in batches[num_a:] for e in b.events]
+    removed = [h for e in events_b if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(stored_a)
+    stored_b = [h for e in events_b if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored_b[:7] == _chain(list(range(30, 58)))
+    assert recording_after is None  # the last subscriber left: recording is off
+    assert quiet_messages == []  # an API server that did not subscribe gets none
+    assert (len(stored_a), len(removed), len(stored_b)) == (2, 2, 7)

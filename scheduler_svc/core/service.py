@@ -23,6 +23,7 @@ from pagewire_common import step_profile, wire
 from pagewire_common.addresses import peer_name
 from pagewire_common.core_messages import BadRequest, CoreOutputs, CoreRequests, NewRequest, api_server_of
 from pagewire_common.framelink import FrameListener, LinkClosed
+from pagewire_common.kv_events import KVEventBatch
 from pagewire_common.requests import FinishReason
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
@@ -39,6 +40,8 @@ log = logging.getLogger("pagewire.scheduler")
 QUIET_TURNS = 6
 # the longest the core waits for one API server to hand on a step's tokens (backpressure)
 BACKPRESSURE_TIMEOUT_S = 1.0
+# this core's index in its KV events (pagewire runs one engine core)
+CORE_INDEX = 0
 
 
 class CoreService(core_pb2_grpc.SchedulerCoreServicer):
@@ -66,6 +69,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self.num_submitted = 0
         self.num_rejected = 0
         self.num_steps = 0
+        self._kv_subscribers: set[int] = set()  # API servers with SubscribeKVEvents streams: record and send
+        self._kv_seq = 0  # KV event batches sent so far (their seq)
         # figures of engines before the last reconnect
         self._past = dict(finished=0, aborted=0, preemptions=0, prefix_queried=0, prefix_hits=0)
 
@@ -181,6 +186,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         if self._clients.pop(client.api_server_id, None) is None:
             return
         self._caught_up.set()  # nobody waits for a server that is gone
+        if client.api_server_id in self._kv_subscribers:
+            self._subscribe_kv_events(client, False)
         engine = self.engine
         if engine is not None:
             for request_id in client.request_ids:
@@ -195,6 +202,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         """Add, abort and stop requests of ``client`` (errors go back in its session now)."""
         if msg.num_rejected:
             self.num_rejected += msg.num_rejected
+        if msg.kv_events is not None:
+            self._subscribe_kv_events(client, msg.kv_events)
         if msg.ready:
             client.ready = True
             self.readiness_changed.set()
@@ -315,6 +324,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self._retire_engine()
         config = SchedulerConfig.from_settings(self.settings, info.max_model_len)
         self.engine = EngineCore(config, worker_info)
+        self.engine.allocator.record_kv_events(bool(self._kv_subscribers))
         self.worker_info = worker_info
         self.tokenizer_files = files
         self.worker_generation += 1
@@ -343,6 +353,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         admit = depth > 1 and self.settings.admission_turns > 0
         while not self._stopping:
             if engine.is_idle():
+                if self._kv_subscribers:
+                    self._send_kv_events()  # those of plans whose steps are all delivered
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -413,7 +425,47 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                     return
 
     def _deliver(self, step: StepTokens) -> None:
+        # KV events ride in the step's message to each subscribed API server, alone where it has none
+        batch = self._kv_events_batch() if self._kv_subscribers else None
+        if batch is None:
+            deliver(step, self._clients)
+            return
+        subscribers = [self._clients[i] for i in self._kv_subscribers]
+        for client in subscribers:
+            client.outputs.kv_events = batch
         deliver(step, self._clients)
+        for client in subscribers:
+            if client.outputs.kv_events is not None:  # deliver had nothing else for it
+                client.flush()
+
+    # ---- KV events ---------------------------------------------------------------------------
+
+    def _subscribe_kv_events(self, client: ApiClient, on: bool) -> None:
+        """The API server has SubscribeKVEvents streams, or none left; the allocator records events
+        while any API server has."""
+        if on:
+            self._kv_subscribers.add(client.api_server_id)
+        else:
+            self._kv_subscribers.discard(client.api_server_id)
+        if self.engine is not None:
+            self.engine.allocator.record_kv_events(bool(self._kv_subscribers))
+
+    def _kv_events_batch(self) -> KVEventBatch | None:
+        """The allocator's events since the last batch, as the next batch; None if there are none."""
+        events = self.engine.allocator.take_kv_events() if self.engine is not None else []
+        if not events:
+            return None
+        self._kv_seq += 1
+        return KVEventBatch(CORE_INDEX, self._kv_seq, events)
+
+    def _send_kv_events(self) -> None:
+        """Send the events not sent yet, alone, to the subscribed API servers."""
+        batch = self._kv_events_batch()
+        if batch is not None:
+            for api_server_id in self._kv_subscribers:
+                client = self._clients[api_server_id]
+                client.outputs.kv_events = batch
+                client.flush()
 
     def _broadcast_worker_state(self) -> None:
         for client in self._clients.values():
@@ -437,5 +489,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         for client in self._clients.values():
             if client.has_output:
                 client.flush()
+        if self._kv_subscribers:
+            self._send_kv_events()  # the reset's AllBlocksCleared
         self._broadcast_worker_state()
 
