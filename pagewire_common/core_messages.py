@@ -9,7 +9,10 @@ converts, and bulk integer arrays cross as little-endian bytes that numpy reads 
 A request has one id from end to end (``request_id``, an int): the API server picks it (its
 ``api_server_id`` in the high 32 bits, a counter in the low 32), the core uses it as the
 sequence id in its plans, the worker keys its state by it, and the core's outputs carry it back.
-Sample ``i`` of a request with ``n > 1`` is ``request_id + i``.
+Sample ``i`` of a request with ``n > 1`` is ``request_id + i``. The client's own id (its
+``name``, the public ``request_id`` string) stays in the API server, except that each add carries
+it so that the core can refuse a name already running and abort by name (the public ``Abort``,
+which may reach any API server).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class NewRequest:
     request_id: int  # its one id (module docstring); samples of n > 1 take the next n - 1 ids
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    name: str = ""  # the client's request_id: unique among running requests, what Abort finds it by
 
 
 @dataclass(slots=True)
@@ -70,16 +74,19 @@ class CoreRequests:
     # CoreOutputs with tokens this server has handed to its streams so far (backpressure: the core
     # runs at most one step ahead of the slowest API server)
     num_outputs_done: int = 0
+    # the public Abort by the client's request_id, of a request on any API server (the core
+    # answers each with an AbortReply, in order)
+    abort_names: list[str] = field(default_factory=list)
     # set when it changes: this server has SubscribeKVEvents streams (True) or none left (False)
     kv_events: bool | None = None
 
     def to_bytes(self) -> bytes:
         msg = core_pb2.CoreRequests(num_rejected=self.num_rejected, ready=self.ready,
-                                    num_outputs_done=self.num_outputs_done)
+                                    num_outputs_done=self.num_outputs_done, abort_names=self.abort_names)
         for add in self.adds:
             msg.adds.append(core_pb2.CoreAdd(request_id=add.request_id,
                                              prompt_token_ids=np.asarray(add.prompt_token_ids, dtype=_I32).tobytes(),
-                                             sampling=wire.sampling_to_pb(add.sampling)))
+                                             sampling=wire.sampling_to_pb(add.sampling), name=add.name))
         if self.abort_ids:
             msg.abort_ids = np.asarray(self.abort_ids, dtype=_I64).tobytes()
         if self.stop_ids:
@@ -100,8 +107,10 @@ class CoreRequests:
             except ValueError as e:
                 adds.append(BadRequest(add.request_id, str(e)))
                 continue
-            adds.append(NewRequest(add.request_id, np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling))
-        requests = cls(adds, _ids(msg.abort_ids), _ids(msg.stop_ids), msg.num_rejected, msg.ready, msg.num_outputs_done)
+            adds.append(NewRequest(add.request_id, np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling,
+                                   add.name))
+        requests = cls(adds, _ids(msg.abort_ids), _ids(msg.stop_ids), msg.num_rejected, msg.ready, msg.num_outputs_done,
+                       list(msg.abort_names))
         if msg.HasField("kv_events"):
             requests.kv_events = msg.kv_events
         return requests
@@ -122,6 +131,14 @@ class CoreError:
     request_id: int
     code: int  # a grpc.StatusCode value: RESOURCE_EXHAUSTED, INVALID_ARGUMENT, UNAVAILABLE, ...
     message: str
+
+
+@dataclass(slots=True)
+class AbortReply:
+    """The core's answer to one name in ``CoreRequests.abort_names``."""
+
+    name: str
+    found: bool  # a running request had this name and was aborted
 
 
 @dataclass(slots=True)
@@ -151,6 +168,7 @@ class CoreOutputs:
     api_server_id: int = 0  # in the session's first message: the high bits of this server's ids
     # the step's KV-cache events, to an API server that subscribed (alone: not counted in has_tokens)
     kv_events: KVEventBatch | None = None
+    abort_replies: list[AbortReply] = field(default_factory=list)  # one per abort name it sent, in order
 
     @property
     def has_tokens(self) -> bool:
@@ -162,6 +180,8 @@ class CoreOutputs:
                                   worker_generation=self.worker_generation, api_server_id=self.api_server_id)
         for err in self.errors:
             msg.errors.append(core_pb2.CoreError(request_id=err.request_id, code=err.code, message=err.message))
+        for reply in self.abort_replies:
+            msg.abort_replies.append(core_pb2.AbortReply(name=reply.name, found=reply.found))
         if len(self.request_ids):
             msg.request_ids = np.asarray(self.request_ids, dtype=_I64).tobytes()
             msg.token_ids = np.asarray(self.token_ids, dtype=_I32).tobytes()
@@ -186,7 +206,8 @@ class CoreOutputs:
         msg = core_pb2.CoreOutput.FromString(data)
         out = cls(errors=[CoreError(e.request_id, e.code, e.message) for e in msg.errors],
                   has_worker_state=msg.has_worker_state, worker_connected=msg.worker_connected,
-                  worker_generation=msg.worker_generation, api_server_id=msg.api_server_id)
+                  worker_generation=msg.worker_generation, api_server_id=msg.api_server_id,
+                  abort_replies=[AbortReply(r.name, r.found) for r in msg.abort_replies])
         if msg.request_ids:
             out.request_ids = np.frombuffer(msg.request_ids, dtype=_I64)
             out.token_ids = np.frombuffer(msg.token_ids, dtype=_I32)

@@ -352,3 +352,37 @@ def test_an_api_server_run_alone_in_front_of_a_core(model_dir, offline, tmp_path
             api.stop()
         sched.stop()
         worker.stop()
+
+
+def test_abort_by_request_id_reaches_the_stream_on_either_api_server(served):
+    """Abort on a connection of its own (either API server) ends a running Generate CANCELLED
+    through the core; a running request_id is refused ALREADY_EXISTS on any connection."""
+    _, addr = served
+    long = sampling(max_tokens=250, ignore_eos=True)
+    names = [f"abort-me-{i}" for i in range(6)]
+    calls = [own_stub(addr).Generate(pb.GenerateRequest(request_id=name, prompt_token_ids=[5, 6, 7 + i],
+                                                        sampling=long), timeout=60)
+             for i, name in enumerate(names)]
+    firsts = [next(c) for c in calls]  # every stream is running
+    assert [r.request_id for r in firsts] == names
+    with pytest.raises(grpc.RpcError) as err:
+        list(own_stub(addr).Generate(pb.GenerateRequest(request_id=names[0], prompt_token_ids=[1, 2], sampling=long),
+                                     timeout=30))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    replies = [own_stub(addr).Abort(pb.AbortRequest(request_id=name), timeout=10) for name in names]
+    assert [r.found for r in replies] == [True] * 6
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert "was aborted" in err.value.details()
+    assert not own_stub(addr).Abort(pb.AbortRequest(request_id=names[0]), timeout=10).found  # no longer running
+    assert not own_stub(addr).Abort(pb.AbortRequest(request_id="never-ran"), timeout=10).found
+    with pytest.raises(grpc.RpcError) as err:
+        own_stub(addr).Abort(pb.AbortRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    all_blocks_free(addr)
+    # the name can be used again once its request ended
+    again = list(own_stub(addr).Generate(pb.GenerateRequest(request_id=names[0], prompt_token_ids=[5, 6, 7],
+                                                            sampling=sampling(max_tokens=4)), timeout=30))
+    assert sum(len(r.token_ids) for r in again) == 4

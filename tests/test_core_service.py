@@ -67,16 +67,17 @@ class InProcessLink:
         pass
 
 
-def _add(index: int, prompt: list[int], sampling: SamplingParams) -> NewRequest:
+def _add(index: int, prompt: list[int], sampling: SamplingParams, name: str = "") -> NewRequest:
     """A request numbered ``index`` among its API server's (``_requests`` gives it that server's id)."""
-    return NewRequest(index, prompt, sampling)
+    return NewRequest(index, prompt, sampling, name)
 
 
 def _requests(client: ApiClient, adds=(), **fields) -> CoreRequests:
     """What an API server sends: its requests numbered from 0 take its ids (the core's id of the
     server in the high half), as ``ApiServer.submit`` gives them."""
     base = first_request_id(client.api_server_id)
-    return CoreRequests(adds=[NewRequest(base + a.request_id, a.prompt_token_ids, a.sampling) for a in adds], **fields)
+    return CoreRequests(adds=[NewRequest(base + a.request_id, a.prompt_token_ids, a.sampling, a.name) for a in adds],
+                        **fields)
 
 
 def _index(client: ApiClient, request_id: int) -> int:
@@ -92,6 +93,7 @@ class Received:
         self.tokens: dict[int, list[int]] = {}
         self.finished: dict[int, int] = {}
         self.errors: dict[int, tuple[int, str]] = {}
+        self.abort_replies: list[tuple[str, bool]] = []
         self.num_messages = 0
 
     async def collect(self, client: ApiClient, expected: int):
@@ -108,6 +110,7 @@ class Received:
                     self.finished[_index(client, rid)] = FINISH_CODES[reason]
                 for err in msg.errors:
                     self.errors[_index(client, err.request_id)] = (err.code, err.message)
+                self.abort_replies.extend((r.name, r.found) for r in msg.abort_replies)
                 if self.service is not None and msg.has_tokens:
                     self.num_done += 1
                     self.service.apply(client, _requests(client, num_outputs_done=self.num_done))
@@ -476,6 +479,99 @@ def test_the_core_runs_at_most_a_step_ahead_of_an_api_server_that_has_not_caught
     steps, received = asyncio.run(main())
     # 40 sampling steps and the plan that drops the finished sequence; the rest of the tokens came
     assert steps == 41 and len(received.tokens[0]) == 38
+
+
+def _codes(received: Received) -> dict[int, grpc.StatusCode]:
+    by_value = {member.value[0]: member for member in grpc.StatusCode}
+    return {rid: by_value[code] for rid, (code, _) in received.errors.items()}
+
+
+def test_request_names_are_unique_across_api_servers_and_abort_by_name_reaches_the_owner():
+    async def main():
+        service, _ = await _core(Settings(max_num_batched_tokens=4096))
+        owner, other = service.open_client(), service.open_client()
+        long = SamplingParams(max_tokens=500, ignore_eos=True)
+        got_owner, got_other = Received(service), Received(service)
+        owner_done = asyncio.ensure_future(got_owner.collect(owner, 3))
+        service.apply(owner, _requests(owner, adds=[
+            _add(0, [1, 2, 3], long, "job"),
+            _add(10, [4, 5, 6], SamplingParams(max_tokens=500, ignore_eos=True, n=2, temperature=1.0, seed=1), "pair"),
+            _add(20, [7, 8, 9], long),  # no name: never refused as a duplicate, never found by one
+            _add(30, [7, 8, 9], long),
+        ]))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert service.engine.scheduler.num_running == 5
+        service.apply(other, _requests(other, adds=[_add(0, [1, 2], long, "job")]))  # running on the other server
+        await asyncio.wait_for(got_other.collect(other, 1), 10)
+        service.apply(other, _requests(other, abort_names=["job", "unknown", "", "pair", "job"]))
+        (msg,) = await other.outbox.take()
+        replies = [(r.name, r.found) for r in msg.abort_replies]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        blocks_held_by_the_rest = service.engine.allocator.num_free_blocks
+        service.apply(owner, _requests(owner, abort_ids=[first_request_id(owner.api_server_id) + i for i in (20, 30)]))
+        await asyncio.wait_for(owner_done, 10)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        # the name is free again once its request ended
+        reuse = Received(service)
+        reused = asyncio.ensure_future(reuse.collect(other, 1))
+        service.apply(other, _requests(other, adds=[_add(1, [1, 2, 3], SamplingParams(max_tokens=5), "job")]))
+        await asyncio.wait_for(reused, 10)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        stats, engine, num_names = service.stats(), service.engine, len(service.names)
+        await service.stop()
+        return got_owner, got_other, replies, reuse, stats, engine, blocks_held_by_the_rest, num_names
+
+    got_owner, got_other, replies, reuse, stats, engine, blocks_held_by_the_rest, num_names = asyncio.run(main())
+    assert _codes(got_other) == {0: grpc.StatusCode.ALREADY_EXISTS}
+    assert "'job' is already running" in got_other.errors[0][1]
+    assert replies == [("job", True), ("unknown", False), ("", False), ("pair", True), ("job", False)]
+    # the owner's streams end CANCELLED: each sample of n = 2
+    assert _codes(got_owner) == {0: grpc.StatusCode.CANCELLED, 10: grpc.StatusCode.CANCELLED,
+                                 11: grpc.StatusCode.CANCELLED}
+    assert got_owner.errors[0][1] == "request 'job' was aborted"
+    assert blocks_held_by_the_rest < engine.allocator.num_blocks  # the unnamed two still ran then
+    assert reuse.tokens[1] == reference_tokens([1, 2, 3], 5) and 1 in reuse.finished
+    assert stats["num_requests_aborted"] == 5 and stats["num_requests_finished"] == 1
+    assert stats["num_requests_rejected"] == 1
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    engine.allocator.check_integrity()
+    assert num_names <= 1  # ended names are dropped when looked up (the last one when it is next)
+
+
+def test_abort_by_name_frees_the_blocks_before_the_next_plan():
+    async def main():
+        service, links = await _core(Settings(max_num_batched_tokens=4096))
+        owner, other = service.open_client(), service.open_client()
+        got = Received(service)
+        done = asyncio.ensure_future(got.collect(owner, 1))
+        service.apply(owner, _requests(owner, adds=[_add(0, list(range(1, 40)), SamplingParams(max_tokens=500,
+                                                                                                  ignore_eos=True),
+                                                         "long")]))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        alloc = service.engine.allocator
+        assert alloc.num_free_blocks < alloc.num_blocks
+        num_plans = len(links[0].plans)
+        service.apply(other, _requests(other, abort_names=["long"]))
+        free_now = alloc.num_free_blocks  # at once, in apply
+        await asyncio.wait_for(done, 10)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        later = links[0].plans[num_plans:]
+        await service.stop()
+        return got, free_now, alloc, later
+
+    got, free_now, alloc, later = asyncio.run(main())
+    assert _codes(got) == {0: grpc.StatusCode.CANCELLED}
+    assert free_now == alloc.num_blocks
+    alloc.check_integrity()
+    # the worker drops it in the next plan it gets, and no later plan runs it
+    assert later and all(0 not in [i - first_request_id(1) for i in plan.running_seq_ids.tolist()] for plan in later[1:])
 
 
 class _SmallCacheLink(InProcessLink):

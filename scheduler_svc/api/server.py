@@ -39,6 +39,7 @@ from scheduler_svc.api.request import (
     RequestError,
     open_request,
 )
+from scheduler_svc.api.kv_events import KVEventHub
 from scheduler_svc.api.text_stream import OutputProcessor
 from scheduler_svc.api.tokenize import detokenize, tokenize
 from scheduler_svc.api.tokenizer import OffloadedTokenizer, Tokenizer
@@ -92,6 +93,8 @@ class ApiServer:
         self.worker_generation = 0
         self.connected = asyncio.Event()  # core link up, worker up, model known
         self._out = CoreRequests()  # queued for the core until the next turn of the loop
+        # the public Abort: what each name sent to the core waits on (the core replies in order)
+        self._abort_waiters: dict[str, list[asyncio.Future]] = {}
         self._flush_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -100,6 +103,7 @@ class ApiServer:
         # core messages with tokens: dispatched to their streams, taken by every stream, told to the core
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         self._num_undelivered = 0  # streams with something put on their outbox and not yet taken
+        self.kv_events = KVEventHub(self._kv_subscribers_changed)  # SubscribeKVEvents streams
         self._handed_on_ns = 0  # profiling: when the last message's deltas were handed on, until all are taken
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -134,6 +138,12 @@ class ApiServer:
 
     # ---- requests ------------------------------------------------------------------------------
 
+    def _kv_subscribers_changed(self, any_left: bool) -> None:
+        """The first SubscribeKVEvents stream came or the last one left: the core records and sends
+        KV events while some API server has one."""
+        self._out.kv_events = any_left
+        self._flush_wanted.set()
+
     def reject(self) -> None:
         """Count a request this server refused (the core's Stats report it)."""
         self._out.num_rejected += 1
@@ -151,7 +161,7 @@ class ApiServer:
         self.output.add(request_id, name, token_ids, sampling)
         for index in range(sampling.n):
             self.pending[request_id + index] = _Pending(outbox, request, sampling.n)
-        self._out.adds.append(NewRequest(request_id, token_ids, sampling))
+        self._out.adds.append(NewRequest(request_id, token_ids, sampling, name))
         self._flush_wanted.set()
         return request_id
 
@@ -173,10 +183,21 @@ class ApiServer:
             log.warning("write to the scheduler core failed: %s", e)
             self._session.close()
 
+    def abort_named(self, name: str) -> asyncio.Future:
+        """The public Abort: the core ends the request running under ``name`` (the client's
+        request_id), whichever API server streams it; the future says whether one was running."""
+        if not self.core_connected:
+            raise NotReadyError("the scheduler core is not connected")
+        future = asyncio.get_running_loop().create_future()
+        self._abort_waiters.setdefault(name, []).append(future)
+        self._out.abort_names.append(name)
+        self._flush_wanted.set()
+        return future
+
     def _has_queued(self) -> bool:
         out = self._out
-        return bool(out.adds or out.abort_ids or out.stop_ids or out.num_rejected or out.ready
-                    or self._num_outputs_done != self._num_outputs_acked)
+        return bool(out.adds or out.abort_ids or out.stop_ids or out.abort_names or out.num_rejected or out.ready
+                    or self._num_outputs_done != self._num_outputs_acked or out.kv_events is not None)
 
     async def _write_loop(self) -> None:
         # everything queued during one turn of the loop (adds, aborts, stops, the acknowledgement)
@@ -216,6 +237,8 @@ class ApiServer:
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         self.core_connected = True
         log.info("connected to the scheduler core at %s", self.core_address)
+        if self.kv_events.has_subscribers:  # subscribed while the link was coming up
+            self._kv_subscribers_changed(True)
         while True:
             data = await self._session.read()
             with step_profile.phase("outputs decode"):
@@ -223,6 +246,8 @@ class ApiServer:
             if msg.has_worker_state:
                 await self._worker_state(msg)
             self.dispatch(msg)
+            if msg.kv_events is not None:
+                self.kv_events.publish(msg.kv_events)
             if msg.has_tokens:
                 self._num_outputs_dispatched += 1
                 if not self._num_undelivered:
@@ -290,6 +315,7 @@ class ApiServer:
         self.core_connected = False
         self.worker_connected = False
         self._set_connected(False)
+        self.kv_events.fail_all(grpc.StatusCode.UNAVAILABLE, message)  # the core's events are lost with it
         self._out = CoreRequests()
         pending, self.pending = self.pending, {}
         self.output.streams.clear()
@@ -298,6 +324,10 @@ class ApiServer:
         failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
         for p in pending.values():
             p.outbox.put_nowait(failure)
+        waiters, self._abort_waiters = self._abort_waiters, {}
+        for future in (f for futures in waiters.values() for f in futures):
+            if not future.done():
+                future.set_exception(NotReadyError(message))
 
     def dispatch(self, msg: CoreOutputs) -> None:
         """Apply one step's outputs from the core to this server's streams. Step profile phases:
@@ -310,9 +340,20 @@ class ApiServer:
                 if p is not None:
                     p.outbox.put_nowait(Failure(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message))
                     self.output.remove(err.request_id)
-                    for index in range(1, p.n):  # a refused request's other samples never ran
-                        pending.pop(err.request_id + index, None)
-                        self.output.remove(err.request_id + index)
+                    # the request's other samples end with it (refused: they never ran; aborted:
+                    # the core sent one error per sample still running, the first one ends them all)
+                    first = p.request.id if p.request is not None else err.request_id
+                    for sample_id in range(first, first + p.n):
+                        if pending.pop(sample_id, None) is not None:
+                            self.output.remove(sample_id)
+            for reply in msg.abort_replies:
+                futures = self._abort_waiters.get(reply.name)
+                if futures:
+                    future = futures.pop(0)
+                    if not futures:
+                        del self._abort_waiters[reply.name]
+                    if not future.done():
+                        future.set_result(reply.found)
             for request_id in msg.started_ids:
                 p = pending.get(request_id)
                 if p is not None and p.request is not None:
@@ -346,6 +387,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         async for resp in self._run(context, request.request_id, request.sampling, request.model, messages=messages):
             yield resp
 
+    async def SubscribeKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext):
+        if not self.api.core_connected:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler core is not connected")
+        subscriber = self.api.kv_events.subscribe()
+        try:
+            while True:
+                for item in await subscriber.take():
+                    if isinstance(item, Failure):
+                        await context.abort(item.code, item.message)
+                    yield item
+        finally:
+            self.api.kv_events.unsubscribe(subscriber)
+
     async def GetModelInfo(self, request, context):
         model = self.api.model
         if model is None or not self.api.connected.is_set():
@@ -363,6 +417,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return await self.api.stats()
         except grpc.RpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler core is unavailable: {e.details()}")
+
+    async def Abort(self, request: pb.AbortRequest, context):
+        # through the core: the request may stream from another API server on this port
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        try:
+            found = await self.api.abort_named(request.request_id)
+        except NotReadyError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.AbortResponse(found=found)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         messages = [{"role": m.role, "content": m.content} for m in request.messages]

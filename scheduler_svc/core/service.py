@@ -21,7 +21,7 @@ import grpc
 
 from pagewire_common import step_profile, wire
 from pagewire_common.addresses import peer_name
-from pagewire_common.core_messages import BadRequest, CoreOutputs, CoreRequests, NewRequest, api_server_of
+from pagewire_common.core_messages import AbortReply, BadRequest, CoreOutputs, CoreRequests, NewRequest, api_server_of
 from pagewire_common.framelink import FrameListener, LinkClosed
 from pagewire_common.kv_events import KVEventBatch
 from pagewire_common.requests import FinishReason
@@ -31,6 +31,7 @@ from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.delivery import ApiClient, deliver
 from scheduler_svc.core.engine import EngineCore, WorkerInfo
+from scheduler_svc.core.request_names import RequestNames
 from scheduler_svc.core.running_batch import StepTokens
 from scheduler_svc.core.worker_client import WorkerLink, WorkerLinkError
 
@@ -53,6 +54,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self._link: WorkerLink | None = None
         self._clients: dict[int, ApiClient] = {}  # API-server id -> its session
         self._client_ids = itertools.count(1)
+        self.names = RequestNames(self._is_running)  # the clients' request ids of running requests
         self._wake = asyncio.Event()
         self._caught_up = asyncio.Event()  # an API server handed on a step's outputs
         self._stopping = False
@@ -225,9 +227,34 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                 client.request_ids.discard(request_id)
                 if engine is not None:
                     engine.finish(request_id, FinishReason.STOP)
-        if client.outputs.errors:
+        for name in msg.abort_names:
+            client.outputs.abort_replies.append(AbortReply(name, self._abort_named(client, name)))
+        if client.outputs.errors or client.outputs.abort_replies:
             client.flush()
         self._wake.set()
+
+    def _is_running(self, request_id: int) -> bool:
+        client = self._clients.get(api_server_of(request_id))
+        return client is not None and request_id in client.request_ids
+
+    def _abort_named(self, client: ApiClient, name: str) -> bool:
+        """The public Abort: end the request running under ``name``, whichever API server owns it
+        (blocks freed now; the owner's stream ends CANCELLED). False when none runs under it."""
+        ids = self.names.running(name)
+        if ids is None:
+            return False
+        self.names.remove(name)
+        owner = self._clients[api_server_of(ids.start)]
+        engine = self.engine
+        for request_id in ids:
+            if request_id in owner.request_ids:  # one error per sample still running: the owner may
+                owner.request_ids.discard(request_id)  # have ended some on its own (a stop string)
+                if engine is not None:
+                    engine.abort(request_id)
+                owner.error(request_id, grpc.StatusCode.CANCELLED, f"request {name!r} was aborted")
+        if owner is not client:
+            owner.flush()
+        return True
 
     def _add(self, client: ApiClient, add: NewRequest | BadRequest) -> None:
         engine = self.engine
@@ -250,6 +277,10 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self.num_rejected += 1
             client.error(request_id, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already in flight")
             return
+        if add.name and self.names.running(add.name) is not None:
+            self.num_rejected += 1
+            client.error(request_id, grpc.StatusCode.ALREADY_EXISTS, f"a request with id {add.name!r} is already running")
+            return
         try:
             token_ids = engine.validate(add.prompt_token_ids, add.sampling, strict_length=True)
         except ValueError as e:
@@ -263,6 +294,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             return
         engine.add_request(request_id, token_ids, add.sampling, validated=True)
         client.request_ids.update(range(request_id, request_id + n))
+        if add.name:
+            self.names.add(add.name, request_id, n)
         self.num_submitted += 1
 
     @staticmethod
