@@ -377,7 +377,8 @@ def test_tokenize_and_detokenize_over_grpc(services, offline, model_dir):
     assert s.Detokenize(pb.DetokenizeRequest(token_ids=reply.token_ids)).text == tok.decode(tok.encode(text))
     # Generate sends the same ids for the text as for the ids Tokenize gave
     by_text, _, _ = collect(s.Generate(pb.GenerateRequest(prompt=text, sampling=sampling(max_tokens=4))))
-    by_ids, _, _ = collect(s.Generate(pb.GenerateRequest(prompt_token_ids=reply.token_ids, sampling=sampling(max_tokens=4))))
+    by_ids, _, _ = collect(s.Generate(pb.GenerateRequest(prompt_token_ids=reply.token_ids,
+                                                         sampling=sampling(max_tokens=4))))
     assert by_text == by_ids
     # messages are rendered as Chat renders them
     msgs = [pb.ChatMessage(role="user", content="Tell me about the sea.")]

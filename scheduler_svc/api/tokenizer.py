@@ -249,8 +249,8 @@ def _pool_decode(token_ids: list[int]) -> str:
 
 
 class OffloadedTokenizer:
-    """Encodes prompts, renders chat templates and decodes ids without stalling the caller's event loop:
-    small inputs inline, large ones in one helper process (started on first use)."""
+    """Encodes prompts, renders chat templates and decodes ids without stalling the caller's event
+    loop: small inputs inline, large ones in one helper process (started on first use)."""
 
     def __init__(self, tokenizer: Tokenizer, inline_chars: int = INLINE_CHARS):
         self.tokenizer = tokenizer
