@@ -89,6 +89,7 @@ def test_the_key_guards_every_generation_method_but_not_health_or_reflection():
                             ("GetLoads", lambda: stub.GetLoads(pb.LoadsRequest(), metadata=md, timeout=10)),
                             ("Tokenize", lambda: stub.Tokenize(pb.TokenizeRequest(prompt="hi"), metadata=md)),
                             ("Detokenize", lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1]), metadata=md)),
+                            ("Abort", lambda: stub.Abort(pb.AbortRequest(request_id="r"), metadata=md, timeout=10)),
                             ("Generate", lambda: _drain(stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=md))),
                             ("Chat", lambda: _drain(stub.Chat(pb.ChatRequest(messages=[pb.ChatMessage(
                                 role="user", content="hi")]), metadata=md))),
@@ -106,7 +107,7 @@ def test_the_key_guards_every_generation_method_but_not_health_or_reflection():
         return codes, healths, services, port
 
     codes, healths, services, port = asyncio.run(main())
-    assert len(codes) == 6 * 3 * 7
+    assert len(codes) == 6 * 3 * 8
     for (_conn, header, name), code in codes.items():
         wanted = grpc.StatusCode.UNAVAILABLE if header == f"Bearer {KEY}" else grpc.StatusCode.UNAUTHENTICATED
         assert code == wanted, (header, name)
