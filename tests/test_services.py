@@ -419,3 +419,62 @@ def test_get_loads_follows_the_core(services):
     assert 0 < after.prefix_cache_hit_rate <= 1
     assert after.prefix_cache_hit_rate == stats.num_prefix_cache_hit_tokens / stats.num_prefix_cache_queried_tokens
     assert (after.num_running, after.num_waiting, after.num_used_blocks) == (0, 0, 0)
+
+
+def test_subscribe_kv_events_sees_a_generates_blocks_stored_as_one_chain(services):
+    import queue
+
+    from kvcache.allocator import _ROOT_BLOCK_HASH
+
+    def chain(token_ids):  # the core's hashes, as the public API gives them (uint64)
+        hashes, parent = [], _ROOT_BLOCK_HASH
+        for start in range(0, len(token_ids) - 3, 4):
+            parent = hash((parent, tuple(token_ids[start : start + 4])))
+            hashes.append(parent & 0xFFFF_FFFF_FFFF_FFFF)
+        return hashes
+
+    s = stub(services)
+    call = s.SubscribeKVEvents(pb.KVEventsRequest())
+    batches: queue.Queue = queue.Queue()
+
+    def read():
+        try:
+            for batch in call:
+                batches.put(batch)
+        except grpc.RpcError:  # cancelled at the end
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    got: list[pb.KVEventBatch] = []
+    try:
+        # the subscription reaches the core a moment after the stream opens: prompts until one is seen
+        for attempt in range(20):
+            prompt = [200 + attempt] + list(range(300, 317))  # 4 full blocks of 4, then 2 tokens
+            collect(s.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(max_tokens=1))))
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                try:
+                    got.append(batches.get(timeout=0.1))
+                except queue.Empty:
+                    continue
+                stored = [e.block_stored for b in got for e in b.events if e.HasField("block_stored")]
+                if stored and any(e.token_ids[:1] == [prompt[0]] for e in stored):
+                    break
+            else:
+                continue
+            break
+    finally:
+        call.cancel()
+    assert [b.seq for b in got] == list(range(got[0].seq, got[0].seq + len(got)))  # no gaps
+    assert {b.core_index for b in got} == {0}
+    stored = [e.block_stored for b in got for e in b.events if e.HasField("block_stored")]
+    first = next(i for i, e in enumerate(stored) if e.token_ids[:1] == [prompt[0]])
+    mine = stored[first:]
+    assert not mine[0].HasField("parent_block_hash")  # the prompt's first block
+    hashes = [h for e in mine for h in e.block_hashes][:4]
+    assert hashes == chain(prompt)  # the core's chained hashes of the prompt's 4 full blocks
+    assert [t for e in mine for t in e.token_ids][:16] == prompt[:16]
+    for before, after in zip(mine, mine[1:]):  # each event's parent is the last hash of the one before
+        assert after.parent_block_hash == before.block_hashes[-1]
+    assert all(e.block_size == 4 and len(e.token_ids) == 4 * len(e.block_hashes) for e in mine)
