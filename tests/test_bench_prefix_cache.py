@@ -100,11 +100,11 @@ def test_summary_lines():
         "pagewire-penalties": prefix_cache_dict([PrefixCacheCounts(0, 0)]),
     }}
     assert prefix_cache_lines(doc) == [
-        "prefix cache hit rate, pagewire: 50.0% (1,000 / 2,000 prompt tokens, the server's counters); "
-        "ideal for this workload 60.0%",
+        ("prefix cache hit rate, pagewire: 50.0% (1,000 / 2,000 prompt tokens, the server's counters); "
+         "ideal for this workload 60.0%"),
         "prefix cache hit rate, pagewire-openai: not known (GetStats failed)",
-        "prefix cache hit rate, pagewire-penalties: n/a (0 / 0 prompt tokens: the server looked nothing up, its "
-        "prefix cache is off); ideal for this workload 60.0%",
+        ("prefix cache hit rate, pagewire-penalties: n/a (0 / 0 prompt tokens: the server looked nothing up, its "
+         "prefix cache is off); ideal for this workload 60.0%"),
     ]
 
 
