@@ -253,15 +253,17 @@ class BlockAllocator:
             raise ValueError(f"unknown seq_id {seq_id}")
         return block_ids
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> Allocation | None:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], use_prefix_cache: bool = True) -> Allocation | None:
         """Give a new sequence blocks for all of ``token_ids``: cached prefix blocks first, fresh
         blocks for the rest. If every token is cached, the last token is recomputed and the last
-        (shared) block is copied first. None, with nothing changed, if the free pool is short."""
+        (shared) block is copied first. None, with nothing changed, if the free pool is short.
+        ``use_prefix_cache=False``: fresh blocks only (the sequence must compute every token, as
+        one that wants prompt logprobs); its blocks are cached as they fill all the same."""
         if seq_id in self._seq_block_ids:
             raise ValueError(f"seq_id {seq_id} already holds blocks")
         if len(token_ids) == 0:
             raise ValueError("token_ids is empty")
-        matched_block_ids, matched_hashes = self._match_prefix(token_ids)
+        matched_block_ids, matched_hashes = self._match_prefix(token_ids) if use_prefix_cache else ([], [])
         num_matched_tokens = len(matched_block_ids) * self.block_size
         num_fresh = self.num_blocks_for(len(token_ids)) - len(matched_block_ids)
         cow_src = None

@@ -40,6 +40,11 @@ class GenerationOutput:
     # which of the n samples this is; with n > 1, the first one lists all n here, in order
     index: int = 0
     samples: list["GenerationOutput"] | None = None
+    # when sampling.prompt_logprobs is set (sample 0 only, with n > 1): one entry per prompt
+    # token after the first (entry i is prompt token i + 1 given tokens 0..i; the first has
+    # none), and with prompt_logprobs > 0 the most likely tokens (ids, logprobs) at each, best first
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -226,7 +231,10 @@ class LLM:
         top = None
         if last.top_logprobs is not None:
             top = [t for d in deltas for t in (d.top_logprobs or [])]
+        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
         return GenerationOutput(
+            prompt_logprobs=prompt.logprobs.tolist() if prompt is not None else None,
+            prompt_top_logprobs=prompt.top_lists() if prompt is not None and prompt.num_top else None,
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             token_ids=[t for d in deltas for t in d.token_ids],

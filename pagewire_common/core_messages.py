@@ -23,7 +23,7 @@ import numpy as np
 
 from pagewire_common import wire
 from pagewire_common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from pagewire_common.requests import FinishReason
+from pagewire_common.requests import FinishReason, PromptLogprobs
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.v1 import core_pb2
 from pagewire_common.v1 import generation_pb2 as pb
@@ -160,6 +160,9 @@ class CoreOutputs:
     # requests whose first token is above, with their prompt tokens served from the prefix cache
     started_ids: list[int] = field(default_factory=list)
     num_cached_prompt_tokens: list[int] = field(default_factory=list)
+    # requests whose first token is above and that asked for prompt logprobs (sample 0 of n), with them
+    prompt_logprob_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     errors: list[CoreError] = field(default_factory=list)
     # the worker link's state: in the session's first message and whenever it changes
     has_worker_state: bool = False
@@ -197,6 +200,14 @@ class CoreOutputs:
         if self.started_ids:
             msg.started_ids = np.asarray(self.started_ids, dtype=_I64).tobytes()
             msg.num_cached_prompt_tokens = np.asarray(self.num_cached_prompt_tokens, dtype=_I32).tobytes()
+        if self.prompt_logprob_ids:
+            plps = self.prompt_logprobs
+            msg.prompt_logprob_ids = np.asarray(self.prompt_logprob_ids, dtype=_I64).tobytes()
+            msg.prompt_num_entries = np.asarray([len(p.logprobs) for p in plps], dtype=_I32).tobytes()
+            msg.prompt_num_top = np.asarray([p.num_top for p in plps], dtype=_I32).tobytes()
+            msg.prompt_logprobs = b"".join(np.asarray(p.logprobs, dtype=_F32).tobytes() for p in plps)
+            msg.prompt_top_token_ids = b"".join(np.asarray(p.top_token_ids, dtype=_I32).tobytes() for p in plps)
+            msg.prompt_top_logprobs = b"".join(np.asarray(p.top_logprobs, dtype=_F32).tobytes() for p in plps)
         if self.kv_events is not None:
             msg.kv_events.CopyFrom(_kv_events_to_pb(self.kv_events))
         return msg.SerializeToString()
@@ -223,9 +234,27 @@ class CoreOutputs:
         if msg.started_ids:
             out.started_ids = _ids(msg.started_ids)
             out.num_cached_prompt_tokens = np.frombuffer(msg.num_cached_prompt_tokens, dtype=_I32).tolist()
+        if msg.prompt_logprob_ids:
+            out.prompt_logprob_ids = _ids(msg.prompt_logprob_ids)
+            out.prompt_logprobs = _prompt_logprobs_from_pb(msg)
         if msg.HasField("kv_events"):
             out.kv_events = _kv_events_from_pb(msg.kv_events)
         return out
+
+
+def _prompt_logprobs_from_pb(msg: core_pb2.CoreOutput) -> list[PromptLogprobs]:
+    logprobs = np.frombuffer(msg.prompt_logprobs, dtype=_F32)
+    top_ids = np.frombuffer(msg.prompt_top_token_ids, dtype=_I32)
+    top_lps = np.frombuffer(msg.prompt_top_logprobs, dtype=_F32)
+    out = []
+    e = t = 0
+    for n, k in zip(np.frombuffer(msg.prompt_num_entries, dtype=_I32).tolist(),
+                    np.frombuffer(msg.prompt_num_top, dtype=_I32).tolist()):
+        out.append(PromptLogprobs(logprobs[e : e + n], top_ids[t : t + n * k].reshape(n, k),
+                                  top_lps[t : t + n * k].reshape(n, k)))
+        e += n
+        t += n * k
+    return out
 
 
 def _kv_events_to_pb(batch: KVEventBatch) -> core_pb2.KVEvents:

@@ -134,7 +134,14 @@ class StepResult:
     """Tokens sampled in one step: one per sequence that reached the end of its known tokens.
     ``logprobs`` is aligned with ``token_ids`` (NaN for sequences that did not ask).
     ``top_token_ids``/``top_logprobs`` hold ``num_top_logprobs`` entries per row, best first
-    (a sequence that asked for fewer takes the first ones), when some sequence asked."""
+    (a sequence that asked for fewer takes the first ones), when some sequence asked.
+
+    Prompt logprobs (``SamplingParams.prompt_logprobs``), only when a sequence of the step asked:
+    row ``r`` gives ``prompt_counts[r]`` entries of sequence ``prompt_seq_ids[r]`` from entry
+    ``prompt_starts[r]`` (entry ``i``: prompt token ``i + 1`` given tokens ``0..i``), its entries
+    consecutive in ``prompt_logprobs`` [E] and ``prompt_top_token_ids``/``prompt_top_logprobs``
+    [E, num_prompt_top_logprobs] (best first; a sequence that asked for fewer takes the first ones).
+    A sequence appears here in each step that computes some of its prompt, sampled or not."""
 
     step_id: int
     seq_ids: list[int] = field(default_factory=list)
@@ -143,3 +150,10 @@ class StepResult:
     num_top_logprobs: int = 0
     top_token_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    prompt_seq_ids: list[int] = field(default_factory=list)
+    prompt_starts: list[int] = field(default_factory=list)
+    prompt_counts: list[int] = field(default_factory=list)
+    prompt_logprobs: np.ndarray | None = None  # [E] float32
+    num_prompt_top_logprobs: int = 0
+    prompt_top_token_ids: np.ndarray | None = None  # [E, num_prompt_top_logprobs] int32
+    prompt_top_logprobs: np.ndarray | None = None  # [E, num_prompt_top_logprobs] float32

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
+
 from pagewire_common.sampling import SamplingParams
 
 
@@ -15,6 +17,33 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model length
     ABORT = "abort"  # cancelled by the client, or failed
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """A prompt's tokens under the model (``SamplingParams.prompt_logprobs``): one entry per prompt
+    token after the first, entry ``i`` being prompt token ``i + 1`` given tokens ``0..i``, and the
+    ``k`` most likely tokens at each of those positions, best first (``k`` = 0: none). NaN where
+    nothing was computed (the null worker)."""
+
+    logprobs: np.ndarray  # [P - 1] float32
+    top_token_ids: np.ndarray  # [P - 1, k] int32
+    top_logprobs: np.ndarray  # [P - 1, k] float32
+
+    @classmethod
+    def empty(cls, num_prompt_tokens: int, k: int) -> PromptLogprobs:
+        """All NaN, to be filled as the prompt's chunks are computed."""
+        n = max(num_prompt_tokens - 1, 0)
+        return cls(np.full(n, np.nan, dtype=np.float32), np.zeros((n, k), dtype=np.int32),
+                   np.full((n, k), np.nan, dtype=np.float32))
+
+    @property
+    def num_top(self) -> int:
+        return self.top_token_ids.shape[1]
+
+    def top_lists(self) -> list[tuple[list[int], list[float]]]:
+        """The most likely tokens at each entry as (token ids, logprobs) pairs."""
+        return list(zip(self.top_token_ids.tolist(), self.top_logprobs.tolist()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +70,8 @@ class TextDelta:
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     # which of the request's n samples this is
     index: int = 0
+    # on the first delta when sampling.prompt_logprobs is set (sample 0's only when n > 1)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,11 @@ class SamplingParams:
     ``min_p`` (drop tokens below ``min_p`` times the top probability), top-k and top-p.
     ``top_logprobs`` asks for the most likely tokens at each step with their log-probabilities;
     like ``logprobs`` they are the model's distribution before any adjustment.
+    ``prompt_logprobs`` (None: off) asks for each prompt token after the first its log-probability
+    given the tokens before it, and the ``prompt_logprobs`` most likely tokens at that position (0:
+    the token's own only), delivered once, with the first generated token (with ``n > 1``, on
+    sample 0 only). Such a request computes its whole prompt: it takes no prefix-cache hits (its
+    blocks are still cached for later requests).
 
     ``n`` samples are drawn from one prompt (prefilled once, its KV blocks shared).
     At most one of ``json_schema`` (a JSON schema, as text or a dict; JSON without free
@@ -68,6 +73,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples so the params stay hashable.
@@ -129,6 +135,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {k!r}")
         given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"at most one of json_schema, regex and grammar may be set, got {' and '.join(given)}")

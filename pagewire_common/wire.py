@@ -109,6 +109,7 @@ def _decode_sampling(msg: gen_pb.SamplingParams) -> SamplingParams:
         json_schema=msg.json_schema or None,
         regex=msg.regex or None,
         grammar=msg.grammar or None,
+        prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -156,6 +157,8 @@ def _encode_sampling(params: SamplingParams) -> gen_pb.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -251,10 +254,40 @@ def result_to_pb(result: StepResult) -> worker_pb.StepResult:
         msg.num_top_logprobs = result.num_top_logprobs
         msg.top_token_ids = _bytes(result.top_token_ids, _I32)
         msg.top_logprobs = _bytes(result.top_logprobs, _F32)
+    if result.prompt_seq_ids:
+        msg.prompt_seq_ids = _bytes(result.prompt_seq_ids, _I64)
+        msg.prompt_starts = _bytes(result.prompt_starts, _I32)
+        msg.prompt_counts = _bytes(result.prompt_counts, _I32)
+        msg.prompt_logprobs = _bytes(result.prompt_logprobs, _F32)
+        if result.num_prompt_top_logprobs:
+            msg.num_prompt_top_logprobs = result.num_prompt_top_logprobs
+            msg.prompt_top_token_ids = _bytes(result.prompt_top_token_ids, _I32)
+            msg.prompt_top_logprobs = _bytes(result.prompt_top_logprobs, _F32)
     return msg
 
 
 def result_from_pb(msg: worker_pb.StepResult) -> StepResult:
+    result = _result_from_pb(msg)
+    if msg.prompt_seq_ids:
+        k = msg.num_prompt_top_logprobs
+        result.prompt_seq_ids = _ints(msg.prompt_seq_ids, _I64)
+        result.prompt_starts = _ints(msg.prompt_starts, _I32)
+        result.prompt_counts = _ints(msg.prompt_counts, _I32)
+        result.prompt_logprobs = np.frombuffer(msg.prompt_logprobs, dtype=_F32)
+        result.num_prompt_top_logprobs = k
+        num_entries = len(result.prompt_logprobs)
+        if k:
+            result.prompt_top_token_ids = np.frombuffer(msg.prompt_top_token_ids, dtype=_I32).reshape(-1, k)
+            result.prompt_top_logprobs = np.frombuffer(msg.prompt_top_logprobs, dtype=_F32).reshape(-1, k)
+        else:
+            result.prompt_top_token_ids = np.zeros((num_entries, 0), dtype=np.int32)
+            result.prompt_top_logprobs = np.zeros((num_entries, 0), dtype=np.float32)
+        if sum(result.prompt_counts) != num_entries or len(result.prompt_top_token_ids) != num_entries:
+            raise ValueError("step result: prompt logprob arrays disagree with prompt_counts")
+    return result
+
+
+def _result_from_pb(msg: worker_pb.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
         seq_ids=_ints(msg.seq_ids, _I64),

@@ -132,6 +132,7 @@ def test_chat_uses_template(services, offline):
         (dict(prompt="hi", sampling=sampling(top_p=0.0)), "top_p"),
         (dict(prompt="hi", sampling=sampling(top_p=1.5)), "top_p"),
         (dict(prompt="hi", model="no-such-model"), "unknown model"),
+        (dict(prompt="hi", sampling=pb.SamplingParams(prompt_logprobs=21)), "prompt_logprobs must be an integer in [0, 20]"),
     ],
 )
 def test_bad_requests_get_invalid_argument(services, offline, request_kwargs, fragment):
@@ -366,6 +367,34 @@ def test_logprobs_over_grpc_with_requests_that_do_not_ask(services, offline, mod
             assert lps == pytest.approx(expected[i].logprobs, abs=1e-4) and len(lps) == len(ids)
         else:
             assert lps == []
+
+
+def test_prompt_logprobs_over_grpc_on_the_first_response(services, offline, model_dir):
+    """The first response carries the prompt logprobs (equal to the offline API's), later ones
+    none; a repeated prompt (its blocks cached) still gets them, computed again; with n > 1 only
+    sample 0 gets them."""
+    prompt = max(sample_prompts(model_dir, n=6), key=len)
+    assert len(prompt) > 64  # more than one 64-token chunk
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=3))[0]
+    s = stub(services)
+    for _ in range(2):
+        responses = list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompt,
+                                                       sampling=pb.SamplingParams(max_tokens=5, prompt_logprobs=3))))
+        first = responses[0]
+        assert first.token_ids
+        assert list(first.prompt_logprobs) == pytest.approx(expected.prompt_logprobs, abs=1e-4)
+        assert len(first.prompt_logprobs) == len(prompt) - 1
+        assert [(list(t.token_ids), pytest.approx(list(t.logprobs), abs=1e-4)) for t in first.prompt_top_logprobs] \
+            == [(ids, lps) for ids, lps in expected.prompt_top_logprobs]
+        assert all(not r.prompt_logprobs and not r.prompt_top_logprobs for r in responses[1:])
+        assert [t for r in responses for t in r.token_ids] == expected.token_ids
+        assert responses[-1].usage.cached_prompt_tokens == 0
+    responses = list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompt[:20], sampling=pb.SamplingParams(
+        max_tokens=2, n=2, temperature=1.0, seed=3, prompt_logprobs=0))))
+    with_prompt = [r for r in responses if r.prompt_logprobs]
+    assert [r.index for r in with_prompt] == [0] and len(with_prompt[0].prompt_logprobs) == 19
+    assert not any(r.prompt_top_logprobs for r in responses)
+    assert_all_blocks_free(services)
 
 
 def test_tokenize_and_detokenize_over_grpc(services, offline, model_dir):

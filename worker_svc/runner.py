@@ -93,6 +93,48 @@ class _StepInputs:
     sampled_positions: np.ndarray | None = None  # [N] the position of each token sampled
     version: int = 0  # ScheduledSeqs.version: equal versions and sampled, the same sampled states
     sampled: list[int] = field(default_factory=list)  # indices of the sampled rows in the batch
+    # the positions that give prompt logprobs, when a sequence of the step asked; their logits
+    # come first in the forward pass's output, before the sampled rows'
+    prompt_rows: _PromptRows | None = None
+
+
+@dataclass(slots=True)
+class _PromptRows:
+    """A step's positions whose logits give prompt logprobs (``StepResult``'s prompt fields)."""
+
+    seq_ids: list[int]
+    starts: list[int]  # per sequence: its first entry (= its first such position)
+    counts: list[int]
+    index: np.ndarray  # [E] int64: the positions' indices in the step's T tokens
+    targets: np.ndarray  # [E] int64: the prompt token each position predicts
+    num_top: int  # most top logprobs a sequence asks for
+    device_targets: torch.Tensor | None = None  # [E] targets on the device
+
+
+def _prompt_rows(states: list[SeqState], seq_ids: list[int], starts: np.ndarray, seq_lens: np.ndarray,
+                 cu: np.ndarray) -> _PromptRows | None:
+    """For each sequence that asked for prompt logprobs, the positions ``p`` of this step below
+    ``P - 1`` (``P`` prompt tokens): the logits at ``p`` give prompt token ``p + 1``'s entry. A
+    chunk's last position predicts the next chunk's first token, so a prompt computed in chunks
+    gets every entry once."""
+    ids, firsts, counts, index, targets = [], [], [], [], []
+    num_top = 0
+    for i, state in enumerate(states):
+        want = state.sampling.prompt_logprobs
+        if want is None:
+            continue
+        a, b = int(starts[i]), min(int(seq_lens[i]), state.num_prompt_tokens - 1)
+        if a >= b:
+            continue
+        ids.append(seq_ids[i])
+        firsts.append(a)
+        counts.append(b - a)
+        index.append(np.arange(cu[i], cu[i] + b - a, dtype=np.int64))
+        targets.extend(state.token_ids[a + 1 : b + 1])
+        num_top = max(num_top, want)
+    if not ids:
+        return None
+    return _PromptRows(ids, firsts, counts, np.concatenate(index), np.asarray(targets, dtype=np.int64), num_top)
 
 
 @dataclass(slots=True)
@@ -237,18 +279,27 @@ class ModelRunner:
             grammars.start(inputs.sampled_states)  # the masks are filled while the model runs
         graphs = self.decode_graphs
         num_seqs = len(meta.seq_lens_cpu)
-        if graphs is not None and meta.max_query_len == 1 and len(inputs.sampled_states) == num_seqs and graphs.fits(num_seqs):
+        prompt_rows = inputs.prompt_rows
+        if graphs is not None and meta.max_query_len == 1 and len(inputs.sampled_states) == num_seqs \
+                and prompt_rows is None and graphs.fits(num_seqs):
             with nvtx_range("decode graph"):
                 logits = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
         else:
             with nvtx_range("forward"):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
-                if not inputs.sampled_states:
+                if not inputs.sampled_states and prompt_rows is None:
                     return result
-                logits = self.model.compute_logits(hidden)  # [num_sampled, vocab] fp32
+                logits = self.model.compute_logits(hidden)  # [num_prompt_rows + num_sampled, vocab] fp32
             if logits is None:  # a rank other than 0: rank 0 samples (and adjusts the logits)
                 self._awaiting_tokens = inputs.sampled_states
                 return result
+            if prompt_rows is not None:
+                num_prompt_rows = len(prompt_rows.index)
+                with nvtx_range("prompt logprobs"):
+                    self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, result)
+                logits = logits[num_prompt_rows:]
+                if not inputs.sampled_states:
+                    return result
         states = inputs.sampled_states
         group = self._sampling_group(inputs)
         batch = group.batch
@@ -279,6 +330,24 @@ class ModelRunner:
             result.top_token_ids = top_ids.flatten().tolist()
             result.top_logprobs = top_logprobs.flatten().tolist()
         return result
+
+    def _prompt_logprobs(self, logits: torch.Tensor, rows: _PromptRows, result: StepResult) -> None:
+        """Fill ``result``'s prompt fields from the logits of ``rows``' positions: the model's
+        distribution, before any adjustment (as ``logprobs``)."""
+        logprobs = torch.log_softmax(logits, dim=-1)  # [E, vocab]
+        targets = rows.device_targets
+        result.prompt_seq_ids = rows.seq_ids
+        result.prompt_starts = rows.starts
+        result.prompt_counts = rows.counts
+        result.prompt_logprobs = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).cpu().numpy()
+        result.num_prompt_top_logprobs = rows.num_top
+        if rows.num_top:
+            top_logprobs, top_ids = logprobs.topk(rows.num_top, dim=-1)  # [E, k], best first
+            result.prompt_top_token_ids = top_ids.to(torch.int32).cpu().numpy()
+            result.prompt_top_logprobs = top_logprobs.cpu().numpy()
+        else:
+            result.prompt_top_token_ids = np.zeros((len(rows.targets), 0), dtype=np.int32)
+            result.prompt_top_logprobs = np.zeros((len(rows.targets), 0), dtype=np.float32)
 
     def _sampling_group(self, inputs: _StepInputs) -> _SamplingGroup:
         group = self._sampling
@@ -328,9 +397,17 @@ class ModelRunner:
         # a list index costs numpy a conversion per element: none when every sequence samples
         sampled_index = slice(None) if all_sampled else np.asarray(sampled, dtype=np.int64)
         logits_indices = cu[1:][sampled_index] - 1
+        prompt_rows = None
+        # only a step with a prompt chunk can hold a position below its prompt's last
+        if max_query_len > 1 or not all_sampled:
+            prompt_rows = _prompt_rows(states, batch.seq_ids, starts, seq_lens, cu)
+            if prompt_rows is not None:
+                logits_indices = np.concatenate([prompt_rows.index, logits_indices])
 
         h2d = self._to_device
         h2d.begin()
+        if prompt_rows is not None:
+            prompt_rows.device_targets = h2d.copy("prompt_targets", prompt_rows.targets, torch.int64)
         meta = AttentionMetadata(
             slot_mapping=h2d.copy("slot_mapping", slot_mapping, torch.int64),
             query_start_loc=h2d.copy("query_start_loc", cu, torch.int32),
@@ -357,6 +434,7 @@ class ModelRunner:
             sampled_positions=seq_lens[sampled_index],
             version=batch.version,
             sampled=sampled,
+            prompt_rows=prompt_rows,
         )
         h2d.end()
         return inputs

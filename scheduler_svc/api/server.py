@@ -504,6 +504,13 @@ def _response(request_id: str, items: list[TextDelta]) -> pb.GenerateResponse:
     if last.top_logprobs is not None:
         resp.top_logprobs.extend(pb.TopLogprobs(token_ids=ids, logprobs=lps)
                                  for it in items for ids, lps in (it.top_logprobs or ()))
+    for it in items:  # on the first delta only
+        prompt = it.prompt_logprobs
+        if prompt is not None:
+            resp.prompt_logprobs.extend(prompt.logprobs.tolist())
+            if prompt.num_top:
+                resp.prompt_top_logprobs.extend(pb.TopLogprobs(token_ids=ids, logprobs=lps)
+                                                for ids, lps in prompt.top_lists())
     if last.index:
         resp.index = last.index
     if last.usage is not None:

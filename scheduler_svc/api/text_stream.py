@@ -12,7 +12,7 @@ at once; the others only when a delta goes out.
 from __future__ import annotations
 
 from pagewire_common.core_messages import CoreOutputs
-from pagewire_common.requests import FinishReason, TextDelta, Usage
+from pagewire_common.requests import FinishReason, PromptLogprobs, TextDelta, Usage
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import default_of
 from scheduler_svc.api.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -22,7 +22,7 @@ class TextStream:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "want_logprobs", "logprobs", "detokenizer",
         "detokenize_each_token", "num_streamed_tokens", "held_text", "finish_reason", "num_cached_prompt_tokens",
-        "stream_interval", "want_top_logprobs", "top_logprobs", "index", "n",
+        "stream_interval", "want_top_logprobs", "top_logprobs", "index", "n", "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -49,6 +49,7 @@ class TextStream:
         self.finish_reason: FinishReason | None = None
         self.num_cached_prompt_tokens = 0
         self.stream_interval = stream_interval
+        self.prompt_logprobs: PromptLogprobs | None = None  # from the core, until the first delta takes them
 
     @property
     def num_output_tokens(self) -> int:
@@ -108,6 +109,8 @@ class TextStream:
         out = TextDelta(self.request_id, new_ids, text, self.finish_reason, new_logprobs, index=self.index)
         if self.want_top_logprobs:
             out.top_logprobs = self.top_logprobs[start - self.num_prompt_tokens:]
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         if is_final:
             out.usage = Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_prompt_tokens)
         return out
@@ -145,6 +148,10 @@ class OutputProcessor:
             stream = streams.get(request_id)
             if stream is not None:
                 stream.num_cached_prompt_tokens = cached
+        for request_id, prompt_logprobs in zip(outputs.prompt_logprob_ids, outputs.prompt_logprobs):
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.prompt_logprobs = prompt_logprobs
         touched: dict[int, TextStream] = {}
         stopped: list[int] = []
         if len(outputs.request_ids):

@@ -129,6 +129,10 @@ def deliver(step: StepTokens, clients: dict[int, ApiClient]) -> None:
             out = client.outputs
             out.started_ids.append(request_id)
             out.num_cached_prompt_tokens.append(seq.num_cached_prompt_tokens or 0)
+            if seq.prompt_logprobs is not None:  # delivered once: the sequence lets go of them
+                out.prompt_logprob_ids.append(request_id)
+                out.prompt_logprobs.append(seq.prompt_logprobs)
+                seq.prompt_logprobs = None
         if seq.finish_reason is not None:
             out = client.outputs
             out.finished_ids.append(request_id)

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvcache.allocator import BlockAllocator
 from pagewire_common.plan import NewSequence, StepPlan, StepResult
-from pagewire_common.requests import FinishReason
+from pagewire_common.requests import FinishReason, PromptLogprobs
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.running_batch import FAST_DECODE_MIN_ROWS, RunningBatch, StepTokens
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
@@ -84,6 +84,9 @@ class Scheduler:
             raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
         seq.status = SequenceStatus.WAITING
         self._hold(seq)
+        k = seq.sampling.prompt_logprobs
+        if k is not None and seq.sample_index == 0:  # the other samples share sample 0's prompt
+            seq.prompt_logprobs = PromptLogprobs.empty(seq.num_prompt_tokens, k)
         self.waiting.append(seq)
         if seq.unforked_samples:
             self._parents.append(seq)
@@ -290,7 +293,8 @@ class Scheduler:
             slot = seq.slot
             if batch.pending[slot]:
                 break  # preempted while a step was in flight: wait for that token first
-            allocation = allocator.allocate(seq.seq_id, seq.token_ids)
+            # a sequence that wants prompt logprobs computes its whole prompt: no prefix-cache hits
+            allocation = allocator.allocate(seq.seq_id, seq.token_ids, use_prefix_cache=seq.prompt_logprobs is None)
             if allocation is None:
                 break  # head of line waits for blocks; later arrivals do not overtake it
             self.waiting.popleft()
@@ -300,7 +304,7 @@ class Scheduler:
             self._start_running(seq)
             if seq.num_cached_prompt_tokens is None:
                 seq.num_cached_prompt_tokens = min(computed, seq.num_prompt_tokens)
-                if self._caching:
+                if self._caching and seq.prompt_logprobs is None:  # a bypass looked nothing up
                     self.num_prefix_queried_tokens += seq.num_prompt_tokens
                     self.num_prefix_hit_tokens += seq.num_cached_prompt_tokens
             num_new = min(len(seq.token_ids) - computed, budget.tokens, budget.prompt_tokens)
@@ -404,6 +408,8 @@ class Scheduler:
         ``fast_decode_min_rows`` rows or more, the plain tokens (a token that does not end its
         sequence, not its first, no logprobs asked) are appended over the batch's arrays and left
         as arrays in the answer; the rest go one by one."""
+        if result.prompt_seq_ids:
+            self._apply_prompt_logprobs(result)
         seq_ids = result.seq_ids
         if self.fast_decode and len(seq_ids) >= self.fast_decode_min_rows:
             step, rows = self.batch.take_plain_tokens(result)
@@ -416,6 +422,24 @@ class Scheduler:
                 step.other_rows.append(i)
                 step.others.append(seq)
         return step
+
+    def _apply_prompt_logprobs(self, result: StepResult) -> None:
+        """Store the step's prompt logprob entries in their sequences' ``prompt_logprobs``, by
+        entry (a prompt computed again after a preemption rewrites the same entries). Entries of a
+        sequence that delivered its own already, or finished, are dropped."""
+        seqs = self.seqs
+        offset = 0
+        for seq_id, start, count in zip(result.prompt_seq_ids, result.prompt_starts, result.prompt_counts):
+            seq = seqs.get(seq_id)
+            store = seq.prompt_logprobs if seq is not None else None
+            if store is not None:
+                k = store.num_top
+                end = start + count
+                store.logprobs[start:end] = result.prompt_logprobs[offset : offset + count]
+                if k:
+                    store.top_token_ids[start:end] = result.prompt_top_token_ids[offset : offset + count, :k]
+                    store.top_logprobs[start:end] = result.prompt_top_logprobs[offset : offset + count, :k]
+            offset += count
 
     def _apply_token(self, seq: Sequence, result: StepResult, i: int) -> bool:
         """Append row ``i``'s token to ``seq`` (False, nothing done: it waits for none) and end

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pagewire_common.requests import FinishReason
+from pagewire_common.requests import FinishReason, PromptLogprobs
 from pagewire_common.sampling import SamplingParams
 
 
@@ -30,6 +30,9 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     # (token ids, logprobs) of the most likely tokens at each generated position, when asked
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # sampling.prompt_logprobs on sample 0: filled as the worker computes the prompt's chunks,
+    # delivered with the first token, then dropped (None)
+    prompt_logprobs: PromptLogprobs | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     # its row in the scheduler's RunningBatch, from Scheduler.add (or its fork) until it finishes
     slot: int = -1
