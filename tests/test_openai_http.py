@@ -157,6 +157,7 @@ def test_logprobs_match_grpc(stack):
     ({"prompt": "x", "model": "not-this-one"}, None),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({}, "prompt"),
 ])
 def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):
@@ -170,9 +171,11 @@ def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):
         assert answer["error"]["param"] == param
     # the API server that refused it tells the core in its next message (GetStats may reach the other one)
     assert wait_until(lambda: stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected == before + 1, timeout=5)
-    if "prompt" in body:  # the SDK itself insists on a prompt
+    if "prompt" in body:  # the SDK itself insists on a prompt; vLLM's extensions go in extra_body
+        extra = {k: body[k] for k in ("prompt_logprobs",) if k in body}
+        sdk = {k: v for k, v in body.items() if k not in extra}
         with pytest.raises(openai.BadRequestError):
-            client(url).completions.create(**{"model": model, **body})
+            client(url).completions.create(**{"model": model, **sdk}, extra_body=extra or None)
 
 
 def test_bad_json_unknown_route_and_unknown_fields(stack):

@@ -180,6 +180,8 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         raise bad("best_of other than n is not supported", "best_of")
     if _get(body, "suffix", str, None):
         raise bad("suffix is not supported", "suffix")
+    if body.get("prompt_logprobs") is not None:  # vLLM's extension: here only on gRPC Generate
+        raise bad("prompt_logprobs is not supported by the HTTP door; Generate over gRPC takes it", "prompt_logprobs")
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
     include_usage = bool(stream and _get(options, "include_usage", bool, False))
