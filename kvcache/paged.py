@@ -9,7 +9,9 @@ else to the torch reference here. The C kernel belongs to the worker's CPU packa
 (``worker_svc.cpu.attention``: its source, its build, the ISA it is built for), and kvcache never
 imports the worker: the worker hands this module the kernel's loader at start-up
 (:func:`use_cpu_attention`, from ``worker_svc.cpu.prepare.prepare_model``). Until then, and in a process
-that never registers one, CPU attention is the torch reference.
+that never registers one, CPU attention is the torch reference. The same registration says whether
+every chunk goes to the kernel (``--deterministic``) or prefill chunks of more than 32 queries go to
+torch's SDPA, which rounds differently in bf16.
 """
 
 from __future__ import annotations
@@ -128,11 +130,15 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
     if cpu is not None:
         # Decodes and chunks of up to 32 queries in C; longer prefill chunks in torch's fused
         # SDPA, whose GEMM-shaped inner loops beat the kernel's per-query work over deep contexts.
+        # Registered for every chunk (--deterministic), all in C: a sequence's rounding then does
+        # not depend on how its prompt was chunked or how much of it a prefix-cache hit skipped.
+        max_query_len = None if _cpu_attention_every_chunk else _CPU_KERNEL_MAX_QUERY_LEN
         out = cpu.paged_attention(
             query, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            max_query_len=_CPU_KERNEL_MAX_QUERY_LEN,
+            max_query_len=max_query_len,
         )  # fmt: skip
-        _attend_chunks(query, kv_layer, meta, scale, out, longer_than=_CPU_KERNEL_MAX_QUERY_LEN)
+        if max_query_len is not None:
+            _attend_chunks(query, kv_layer, meta, scale, out, longer_than=max_query_len)
         return out
     return paged_attention_ref(query, kv_layer, meta, scale)
 
@@ -181,15 +187,20 @@ class CpuAttention(Protocol):
 
 # The loader of the C kernel for CPU attention, set by the worker (use_cpu_attention); None: none.
 _load_cpu_attention: Callable[[], CpuAttention | None] | None = None
+# Set with it: True sends every chunk to the kernel, False only those of up to 32 queries.
+_cpu_attention_every_chunk = False
 
 
-def use_cpu_attention(load: Callable[[], CpuAttention | None] | None) -> None:
+def use_cpu_attention(load: Callable[[], CpuAttention | None] | None, *, every_chunk: bool = False) -> None:
     """Take the C kernel for CPU attention from ``load`` (the worker's, registered at its start:
     ``worker_svc.cpu.attention.kernel``), which builds or loads it on its first call, caches it,
     and returns None when it cannot be built. It is called when the backend first sends CPU queries
-    to it (or at :func:`prepare_cpu_attention`). None unregisters it: the torch reference again."""
-    global _load_cpu_attention
+    to it (or at :func:`prepare_cpu_attention`). None unregisters it: the torch reference again.
+    ``every_chunk`` (the worker's ``--deterministic``) sends prefill chunks of any length to the
+    kernel too, not only those of up to 32 queries; each registration sets it anew."""
+    global _load_cpu_attention, _cpu_attention_every_chunk
     _load_cpu_attention = load
+    _cpu_attention_every_chunk = every_chunk
 
 
 def prepare_cpu_attention(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:

@@ -24,7 +24,7 @@ REQUIRED = {"worker": ["--listen", "x"], "scheduler": ["--worker", "x"], "api-se
 # a non-default value for each setting, to see it travel
 SAMPLE = dict(model="/m", served_model_name="m", dtype="bfloat16", device="cpu", block_size=8, num_kv_blocks=77,
               kv_cache_bytes=1 << 20, max_model_len=99, num_threads=3, cuda_graphs=False, cuda_graph_max_batch=12,
-              worker="null", max_num_batched_tokens=48, max_num_seqs=5, enable_prefix_caching=False,
+              deterministic=True, worker="null", max_num_batched_tokens=48, max_num_seqs=5, enable_prefix_caching=False,
               max_queued_requests=7, overlap=False, admission_turns=4, prefill_pacing_steps=9, profile_steps=6,
               stream_interval=3,
               grpc_listeners=2, api_servers=2, http_listen="127.0.0.1:9", shutdown_timeout=4.5, tensor_parallel_size=2,
@@ -119,7 +119,7 @@ def test_component_configs_take_their_defaults_and_checks_from_the_settings():
         assert getattr(config, name) == FIELDS[name].default
     runner = RunnerConfig()
     for name in ("block_size", "num_kv_blocks", "kv_cache_bytes", "dtype", "device", "max_model_len", "cuda_graphs",
-                 "cuda_graph_max_batch"):
+                 "cuda_graph_max_batch", "deterministic"):
         assert getattr(runner, name) == FIELDS[name].default
     with pytest.raises(ValueError, match="--max-num-seqs"):
         SchedulerConfig(max_model_len=64, max_num_seqs=0)
@@ -198,8 +198,8 @@ def test_the_bench_passes_every_engine_setting_through():
     assert passed == set(FIELDS) - {"served_model_name", "shutdown_timeout", "api_key", "tls_cert_file", "tls_key_file"}
     argv = ["bench", "--serve"]
     for flag, name in passthrough_flags():
-        if FIELDS[name].metadata["negate"]:
-            argv.append(flag)
+        if FIELDS[name].metadata["negate"] or FIELDS[name].default is False:
+            argv.append(flag)  # a bool's bare flag: --no-prefix-cache, --deterministic
         else:
             argv += [flag, str(SAMPLE[name])]
     cmd = serve_argv(parser.parse_args(argv), "127.0.0.1:1")

@@ -68,9 +68,12 @@ class RunnerConfig:
     # CUDA only: replay captured graphs for decode-only steps of up to this many sequences
     cuda_graphs: bool = default_of("cuda_graphs")
     cuda_graph_max_batch: int = default_of("cuda_graph_max_batch")
+    # CPU: every attention chunk in C and every unrestricted row drawn from raw logits (batch-invariant)
+    deterministic: bool = default_of("deterministic")
 
     def __post_init__(self) -> None:
-        check_all(self, ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch"))
+        check_all(self, ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch",
+                         "deterministic"))
         check_dtype_setting(self.dtype)
 
     @classmethod
@@ -79,7 +82,7 @@ class RunnerConfig:
             block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
             kv_cache_bytes=settings.kv_cache_bytes, dtype=settings.dtype, device=settings.device,
             max_model_len=settings.max_model_len, cuda_graphs=settings.cuda_graphs,
-            cuda_graph_max_batch=settings.cuda_graph_max_batch,
+            cuda_graph_max_batch=settings.cuda_graph_max_batch, deterministic=settings.deterministic,
         )
 
 
@@ -169,7 +172,8 @@ class ModelRunner:
         log.info("%s", choice.describe(config.dtype))
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
         if self.device.type == "cpu":
-            prepare_model(self.model, self.dtype)  # the CPU kernels that fit (worker_svc.cpu)
+            # the CPU kernels that fit (worker_svc.cpu)
+            prepare_model(self.model, self.dtype, deterministic=config.deterministic)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         # this rank's KV heads; every rank holds the same block ids, each for its own heads
@@ -189,7 +193,7 @@ class ModelRunner:
         self.block_size = config.block_size
         max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, deterministic=config.deterministic)
         # only rank 0 adjusts logits and samples: the other ranks keep no adjustment state
         self.adjuster = LogitsAdjuster(mc.vocab_size, self.device, self._grammar_masks() if tp.is_first else None)
         self.decode_graphs: DecodeGraphs | None = None

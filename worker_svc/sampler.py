@@ -8,10 +8,15 @@ benchmarks/sampler_speed.py).
 For a seeded request the number comes from a generator seeded with (seed, position), so a
 seeded request gives the same tokens whatever else is in the batch and whether or not it was
 preempted and recomputed.
+With ``deterministic`` (``--deterministic``) an unrestricted row (no top-k, top-p or min-p) is
+drawn on CPU by the C draw from its raw logits and its temperature whatever its batch-mates ask
+for, rather than from logits prescaled by torch (``logits / T``) when some row needs them, which
+rounds differently.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +24,8 @@ import torch
 
 from pagewire_common.sampling import SamplingParams
 from worker_svc.cpu import sampler as cpu_sampler
+
+log = logging.getLogger("pagewire.worker")
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) over 64 bits
 
@@ -40,12 +47,17 @@ class SamplingBatch:
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, deterministic: bool = False):
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device)
         self._generator.seed()
         # on CPU, argmax and plain draws of float32 logits in C where it is vectorized (worker_svc.cpu.sampler)
         self._cpu = cpu_sampler.kernel() if self.device.type == "cpu" else None
+        # unrestricted rows always by the C draw from raw logits (--deterministic)
+        self._deterministic = deterministic
+        if deterministic and self.device.type == "cpu" and self._cpu is None:
+            log.warning("--deterministic: the sampler's C draw is not built here, so a sampled row's draw may "
+                        "depend on its batch-mates")
 
     def _on_cpu_kernels(self, logits: torch.Tensor) -> bool:
         return self._cpu is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" \
@@ -99,7 +111,8 @@ class Sampler:
         restricted = [i for i in range(num_rows) if top_ks[i] < vocab or top_ps[i] < 1.0]
         # the C draw on CPU scales by the temperature itself: the scaled logits only where
         # min_p, top-k or top-p need them
-        unscaled = not min_p_rows and not restricted and self._on_cpu_kernels(logits)
+        on_cpu_kernels = self._on_cpu_kernels(logits)
+        unscaled = not min_p_rows and not restricted and on_cpu_kernels
         scaled = None
         if not unscaled:
             scaled = logits / temps.unsqueeze(1)
@@ -109,13 +122,24 @@ class Sampler:
 
         if len(restricted) == num_rows:
             tokens = _sample_top_k_top_p(scaled, top_ks, top_ps, u)
+        elif unscaled:
+            tokens = self.draw(logits, u, temps)
+        elif self._deterministic and on_cpu_kernels:
+            # every unrestricted row as it is drawn alone: raw logits, its own temperature; the
+            # min_p rows (unless restricted: below) from their filtered scaled logits
+            tokens = self.draw(logits, u, temps)
+            restricted_set = set(restricted)
+            min_p_only = [i for i in min_p_rows if i not in restricted_set]
+            if min_p_only:
+                rows = torch.tensor(min_p_only, device=self.device)
+                tokens[rows] = self.draw(scaled[rows], u[rows])
         else:
-            tokens = self.draw(logits, u, temps) if unscaled else self.draw(scaled, u)
-            if restricted:
-                rows = torch.tensor(restricted, device=self.device)
-                tokens[rows] = _sample_top_k_top_p(
-                    scaled[rows], [top_ks[i] for i in restricted], [top_ps[i] for i in restricted], u[rows]
-                )
+            tokens = self.draw(scaled, u)
+        if restricted and len(restricted) < num_rows:
+            rows = torch.tensor(restricted, device=self.device)
+            tokens[rows] = _sample_top_k_top_p(
+                scaled[rows], [top_ks[i] for i in restricted], [top_ps[i] for i in restricted], u[rows]
+            )
         if greedy_rows:
             rows = torch.tensor(greedy_rows, device=self.device)
             tokens[rows] = self.greedy(logits[rows])

@@ -8,7 +8,7 @@ What runs where depends on the model's dtype and on the CPU (``features``):
 - either arithmetic takes the fused norm, SiLU and rotary passes where they are vectorized for it
   (``fused``: fp32 with AVX2, bf16 with AVX-512 BF16);
 - ``kvcache.paged`` is handed the C attention kernel (``attention``), built now rather than during
-  the first request.
+  the first request; with ``deterministic`` for every chunk, not only those of up to 32 queries.
 
 One log line says what runs where.
 """
@@ -29,9 +29,10 @@ from worker_svc.cpu.linear import pack_linears_for_cpu
 log = logging.getLogger("pagewire.worker")
 
 
-def prepare_model(model: nn.Module, dtype: torch.dtype) -> None:
+def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool = False) -> None:
     """Switch ``model``, loaded on CPU in ``dtype`` (also its KV cache's), to the CPU kernels that
-    fit this CPU, and register the C attention kernel with ``kvcache.paged``."""
+    fit this CPU, and register the C attention kernel with ``kvcache.paged`` (for every chunk with
+    ``deterministic``)."""
     compute_dtype = dtype
     cpu = features.cpu_info()
     if dtype == torch.bfloat16 and not cpu.native_bf16:
@@ -40,6 +41,11 @@ def prepare_model(model: nn.Module, dtype: torch.dtype) -> None:
     else:
         linears = pack_linears_for_cpu(model) or "plain torch matmuls"
     fused = use_fused_cpu_kernels(model, compute_dtype) > 0
-    paged.use_cpu_attention(attention.kernel)
-    log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s", linears,
-             "fused C" if fused else "torch operators", paged.prepare_cpu_attention(compute_dtype, dtype))
+    paged.use_cpu_attention(attention.kernel, every_chunk=deterministic)
+    attention_path = paged.prepare_cpu_attention(compute_dtype, dtype)
+    log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s%s", linears,
+             "fused C" if fused else "torch operators", attention_path,
+             " for every chunk (--deterministic)" if deterministic and attention_path == "C kernel" else "")
+    if deterministic and attention_path != "C kernel":
+        log.warning("--deterministic: attention is not available in C here (%s), so a request's tokens may still "
+                    "depend on its batch and on prefix-cache hits", attention_path)
