@@ -93,6 +93,8 @@ def _host_port(value) -> str | None:
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         return f"must be host:port, got {value!r}"
     return None
+
+
 def _boolean(value) -> str | None:
     return None if isinstance(value, bool) else f"must be True or False, got {value!r}"
 
@@ -104,8 +106,9 @@ def _non_empty(value) -> str | None:
 def _setting(default, help: str, *, scope: tuple[str, ...], check=None, type=None, flag=None,
              negate: str | None = None, metavar=None, choices=None, env: str | None = None, secret: bool = False):
     """One setting. ``negate`` names the flag that turns a default-True bool off
-    (``--no-prefix-cache``; a default-False bool's bare flag turns it on: ``--deterministic``); ``type`` parses the flag's text; ``env`` names the environment
-    variable that gives the flag its default; a ``secret`` is kept out of command lines and reprs."""
+    (``--no-prefix-cache``), and a default-False bool's bare flag turns it on (``--deterministic``);
+    ``type`` parses the flag's text; ``env`` names the environment variable that gives the flag its
+    default; a ``secret`` is kept out of command lines and reprs."""
     return field(default=default, repr=not secret, metadata=dict(
         help=help, scope=scope, check=check, type=type, flag=flag, negate=negate, metavar=metavar,
         choices=choices, env=env, secret=secret,
