@@ -79,7 +79,7 @@ def test_kept_running_rows_match_a_fresh_lookup_over_random_plans():
     rng = random.Random(0)
     s = states(num_kv_blocks=64, max_blocks_per_seq=16)
     running: dict[int, int] = {}  # seq_id -> known tokens, as the scheduler sees it
-    last_version = s.version
+    last_version, last_states = s.version, []
     for step in range(1, 300):
         # 16 blocks of 4 hold 64 tokens: a sequence ends before it needs more
         finished = [seq_id for seq_id in running if rng.random() < 0.1 or len(s.get(seq_id).token_ids) >= 60]
