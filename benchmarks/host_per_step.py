@@ -60,9 +60,10 @@ WORKLOADS = {
 PATHS = ("offline", "served")
 
 
-def build_model(out_dir: Path) -> Path:
-    """A random-weight 1-layer Llama with the embedded SmolLM2's tokenizer, cut to its first
-    ``VOCAB_SIZE`` ids (the worker's grammar matcher wants no more tokens than the model has)."""
+def build_model(out_dir: Path, tokenizer_dir: Path | None = None) -> Path:
+    """A random-weight 1-layer Llama with the embedded SmolLM2's tokenizer (or the one in
+    ``tokenizer_dir``), cut to its first ``VOCAB_SIZE`` ids (the worker's grammar matcher wants no
+    more tokens than the model has)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -73,7 +74,7 @@ def build_model(out_dir: Path) -> Path:
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out_dir)
-    embedded = resolve_model_path(None)
+    embedded = tokenizer_dir or resolve_model_path(None)
     for name in TOKENIZER_FILES:
         if (embedded / name).is_file():
             shutil.copy(embedded / name, out_dir / name)
@@ -249,6 +250,9 @@ def main() -> int:
                         help="the worker's torch threads: one, as the model's ops are too small to split, and on a "
                         "busy host a team of threads waits for its slowest (default: %(default)s)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every figure and the environment here")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR", type=Path,
+                        help="take SmolLM2's tokenizer files from DIR, on a machine without the embedded model "
+                        "(default: the embedded model)")
     parser.add_argument("--server-log", default=None, metavar="PATH",
                         help="keep the served path's log here (default: a temp file, removed)")
     args = parser.parse_args()
@@ -262,7 +266,7 @@ def main() -> int:
                         ("requests_per_running_seq", "prompt_tokens", "new_tokens"), WORKLOADS[w])) for w in WORKLOADS},
                     "results": {}}
     with tempfile.TemporaryDirectory(prefix="pagewire-host-per-step-") as tmp:
-        model_dir = build_model(Path(tmp) / "model")
+        model_dir = build_model(Path(tmp) / "model", args.tokenizer)
         if "offline" in paths:
             report["results"]["offline"] = run_offline(model_dir, args)
             report["dtype_resolved"] = args.dtype_resolved

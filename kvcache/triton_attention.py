@@ -76,8 +76,18 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     return max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
 
 
+class Tiles(NamedTuple):
+    """Tile sizes and launch shape of the attention kernel (``_kernel_config`` picks them; the
+    bandwidth benchmark's ``--sweep`` and the tests pass their own)."""
+
+    block_m: int  # rows per program: query tokens x padded group heads (raised to the group if smaller)
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
 @functools.cache
-def _kernel_config(decode_like: bool, group_pad: int, head_dim_pad: int, is_fp32: bool) -> tuple[int, int, int, int]:
+def _kernel_config(decode_like: bool, group_pad: int, head_dim_pad: int, is_fp32: bool) -> Tiles:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the launch.
 
     Decode-like batches (each sequence has at most a few queries) take 16 rows, the smallest ``tl.dot``
@@ -95,7 +105,7 @@ def _kernel_config(decode_like: bool, group_pad: int, head_dim_pad: int, is_fp32
     else:
         block_m, num_stages = 64, 2
         block_n, num_warps = (64, 4) if head_dim_pad <= 128 else (32, 8)
-    return max(block_m, group_pad), block_n, num_warps, num_stages
+    return Tiles(block_m, block_n, num_warps, num_stages)
 
 
 @triton.jit
@@ -286,17 +296,22 @@ class LaunchPlan(NamedTuple):
     num_splits: int  # key partitions per query block
 
 
-def plan_launch(query: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, num_splits: int | None = None) -> LaunchPlan:
-    """Choose tiles, grid and key splits from the batch shape (host integers only, no device sync)."""
+def plan_launch(
+    query: torch.Tensor, num_kv_heads: int, meta: AttentionMetadata, num_splits: int | None = None,
+    tiles: Tiles | None = None,
+) -> LaunchPlan:
+    """Choose tiles, grid and key splits from the batch shape (host integers only, no device sync);
+    ``num_splits`` and ``tiles`` override the choice."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = meta.seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
     head_dim_pad = _next_pow2(max(head_dim, 16))
     decode_like = meta.max_query_len * group_pad <= 16
-    block_m, block_n, num_warps, num_stages = _kernel_config(
-        decode_like, group_pad, head_dim_pad, query.dtype == torch.float32
-    )
+    if tiles is None:
+        tiles = _kernel_config(decode_like, group_pad, head_dim_pad, query.dtype == torch.float32)
+    block_m, block_n, num_warps, num_stages = tiles
+    block_m = max(block_m, group_pad)
     block_q = block_m // group_pad
     one_block_per_seq = meta.max_query_len <= block_q
     if one_block_per_seq:
@@ -321,9 +336,10 @@ def paged_attention_triton(
     scale: float,
     *,
     num_splits: int | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Paged attention in one launch (two when the key range is split). ``num_splits`` overrides
-    ``choose_num_splits`` (tests force both paths with it)."""
+    ``choose_num_splits`` (tests force both paths with it), ``tiles`` overrides ``_kernel_config``."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, kv_head_dim = kv_layer.shape
     if num_heads % num_kv_heads:
@@ -340,7 +356,7 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    plan = plan_launch(query, num_kv_heads, meta, num_splits)
+    plan = plan_launch(query, num_kv_heads, meta, num_splits, tiles)
     num_splits, head_dim_pad = plan.num_splits, plan.head_dim_pad
     if num_splits > 1:
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
@@ -406,4 +422,4 @@ def paged_attention_triton(
     return out
 
 
-__all__ = ["LaunchPlan", "check_device", "choose_num_splits", "paged_attention_triton", "plan_launch"]
+__all__ = ["LaunchPlan", "Tiles", "check_device", "choose_num_splits", "paged_attention_triton", "plan_launch"]
