@@ -15,6 +15,7 @@ from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import FinishReason, PromptLogprobs, TextDelta, Usage
 from pagewire_common.sampling import SamplingParams
 from pagewire_common.settings import default_of
+from scheduler_svc.api.stop_strings import StopStrings
 from scheduler_svc.api.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -27,7 +28,9 @@ class TextStream:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  tokenizer: Tokenizer | None, stream_interval: int = default_of("stream_interval"),
-                 index: int = 0):
+                 index: int = 0, stop_strings: StopStrings | None = None):
+        """``stop_strings``: the automaton of ``sampling.stop``, shared by the request's samples
+        (built here when not given)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.request_id = request_id
@@ -40,7 +43,7 @@ class TextStream:
         self.index = index  # which of the request's n samples
         self.n = sampling.n
         self.detokenizer = (
-            IncrementalDetokenizer.for_prompt(tokenizer, self.num_prompt_tokens, sampling.stop)
+            IncrementalDetokenizer.for_prompt(tokenizer, self.num_prompt_tokens, sampling.stop, stop_strings)
             if tokenizer is not None else None
         )
         self.detokenize_each_token = self.detokenizer is not None and bool(sampling.stop)
@@ -129,8 +132,11 @@ class OutputProcessor:
         """Streams for a request and its samples (ids ``request_id`` .. ``request_id + n - 1``);
         ``name`` is the request id its caller shows the client."""
         streams = []
+        # one automaton per request: each sample walks it with its own matcher
+        stop_strings = StopStrings(sampling.stop) if sampling.stop and self.tokenizer is not None else None
         for index in range(sampling.n):
-            stream = TextStream(name, prompt_token_ids, sampling, self.tokenizer, self.stream_interval, index)
+            stream = TextStream(name, prompt_token_ids, sampling, self.tokenizer, self.stream_interval, index,
+                                stop_strings)
             self.streams[request_id + index] = stream
             streams.append(stream)
         return streams

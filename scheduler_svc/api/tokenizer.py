@@ -17,6 +17,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
 from pagewire_common.wire import TOKENIZER_FILES
+from scheduler_svc.api.stop_strings import StopMatcher, StopStrings
 
 
 def _token_content(value) -> str | None:
@@ -148,7 +149,8 @@ class IncrementalDetokenizer:
     (``decode`` of the whole list gives the same text). Other tokenizers decode a short window
     of already-emitted tokens plus the new ones and emit the suffix, holding back a trailing
     U+FFFD ("not yet"). Text that might be the start of a stop string is held back too, and a
-    completed stop string is cut with all that follows.
+    completed stop string is cut with all that follows: each new character is one step of the
+    stop strings' automaton (``stop_strings.py``), whatever their number.
     """
 
     tokenizer: Tokenizer
@@ -159,13 +161,19 @@ class IncrementalDetokenizer:
     num_emitted_chars: int = 0
     stopped: bool = False
     _utf8: codecs.IncrementalDecoder | None = field(default=None, repr=False)
+    _stop_matcher: StopMatcher | None = field(default=None, repr=False)
 
     @classmethod
-    def for_prompt(cls, tokenizer: Tokenizer, num_prompt_tokens: int, stop: tuple[str, ...] = ()):
+    def for_prompt(cls, tokenizer: Tokenizer, num_prompt_tokens: int, stop: tuple[str, ...] = (),
+                   stop_strings: StopStrings | None = None):
+        """``stop_strings``: the automaton of ``stop``, when the caller shares one between the
+        samples of a request; built here otherwise."""
         # a few prompt tokens of context make the first output tokens decode as they will in full
         detok = cls(tokenizer, max(num_prompt_tokens - 5, 0), num_prompt_tokens, tuple(stop))
         if tokenizer.token_bytes is not None:
             detok._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        if stop:
+            detok._stop_matcher = StopMatcher(stop_strings if stop_strings is not None else StopStrings(stop))
         return detok
 
     def update(self, token_ids: list[int], is_final: bool) -> str:
@@ -184,35 +192,25 @@ class IncrementalDetokenizer:
                 self.text += new_text[len(prefix_text) :]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(token_ids)
-        if not self.stop:
+        matcher = self._stop_matcher
+        if matcher is None:
             delta = self.text[self.num_emitted_chars :]
             self.num_emitted_chars = len(self.text)
             return delta
         emit_upto = len(self.text)
-        start = max(self.num_emitted_chars - max(len(s) for s in self.stop), 0)
-        hit = min((p for p in (self.text.find(s, start) for s in self.stop) if p >= 0), default=-1)
-        if hit >= 0:
+        # the text only grows, so the matcher has read exactly its first num_chars characters
+        hit = matcher.feed(self.text[matcher.num_chars :])
+        if hit is not None:
             self.stopped = True
             self.text = self.text[:hit]
             emit_upto = hit
         elif not is_final:
             # hold back a tail that could still grow into a stop string
-            emit_upto = len(self.text) - _longest_stop_prefix_suffix(self.text, self.stop)
+            emit_upto = len(self.text) - matcher.num_held
         emit_upto = max(emit_upto, self.num_emitted_chars)
         delta = self.text[self.num_emitted_chars : emit_upto]
         self.num_emitted_chars = emit_upto
         return delta
-
-
-def _longest_stop_prefix_suffix(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 # ---- tokenizing off the event loop ----------------------------------------------------------------
