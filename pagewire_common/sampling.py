@@ -15,6 +15,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
+# The API servers match stop strings with an automaton that costs the same per character whatever
+# their number (scheduler_svc/api/stop_strings.py); these bound what one request may make it hold.
+# OpenAI allows 4 strings, vLLM any number.
+MAX_STOP_STRINGS = 1024
+MAX_STOP_CHARS = 65536  # all of a request's stop strings together
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +114,7 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        validate_stop(self.stop)
         for t in self.stop_token_ids:
             if t < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t}")
@@ -162,6 +165,19 @@ class SamplingParams:
             if text is not None:
                 return name, text
         return None
+
+
+def validate_stop(stop: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` unless ``stop`` is non-empty strings within ``MAX_STOP_STRINGS`` and
+    ``MAX_STOP_CHARS``."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    num_chars = sum(map(len, stop))
+    if num_chars > MAX_STOP_CHARS:
+        raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters in all, got {num_chars}")
 
 
 # The declared defaults, for code that has to name one: a keyword argument's default, what an unset

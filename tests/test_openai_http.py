@@ -14,6 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagewire_common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pagewire_common.v1 import generation_pb2 as pb
 from tests.service_utils import sampling, start_scheduler, start_worker, stub, wait_until
 
@@ -157,6 +158,7 @@ def test_logprobs_match_grpc(stack):
     ({"prompt": "x", "model": "not-this-one"}, None),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": ["x" * MAX_STOP_CHARS, "y"]}, "stop"),
     ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({}, "prompt"),
 ])
@@ -176,6 +178,14 @@ def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):
         sdk = {k: v for k, v in body.items() if k not in extra}
         with pytest.raises(openai.BadRequestError):
             client(url).completions.create(**{"model": model, **sdk}, extra_body=extra or None)
+
+
+def test_ten_thousand_stop_strings_are_400_naming_the_limit(stack):
+    addr, url, model = stack
+    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
+                                                              "stop": [f"s{i}" for i in range(10_000)]})
+    assert status == 400 and answer["error"]["param"] == "stop"
+    assert answer["error"]["message"] == f"at most {MAX_STOP_STRINGS} stop strings are allowed, got 10000"
 
 
 def test_bad_json_unknown_route_and_unknown_fields(stack):

@@ -10,6 +10,7 @@ import pytest
 
 from pagewire import LLM, SamplingParams
 from pagewire_common import wire
+from pagewire_common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pagewire_common.v1 import generation_pb2 as pb
 from tests.service_utils import start_scheduler, start_worker, stub
 from tests.test_services import assert_all_blocks_free
@@ -91,6 +92,8 @@ def test_mixed_settings_in_one_batch_match_the_offline_api(services, offline, mo
     (pb.SamplingParams(regex="[a-"), "invalid regex"),
     (pb.SamplingParams(json_schema='{"type": "objectx"}'), "invalid json_schema"),
     (pb.SamplingParams(n=17), "max_num_seqs"),
+    (pb.SamplingParams(stop=[f"s{i}" for i in range(10_000)]), f"at most {MAX_STOP_STRINGS} stop strings"),
+    (pb.SamplingParams(stop=["x" * MAX_STOP_CHARS, "y"]), f"at most {MAX_STOP_CHARS} characters"),
 ])
 def test_bad_values_are_invalid_argument_and_nothing_is_queued(services, sampling, fragment):
     s = stub(services)
@@ -101,6 +104,26 @@ def test_bad_values_are_invalid_argument_and_nothing_is_queued(services, samplin
     assert fragment in e.value.details()
     stats = s.GetStats(pb.StatsRequest())
     assert stats.num_requests_rejected == before + 1 and stats.num_waiting == 0 and stats.num_running == 0
+
+
+def test_the_largest_stop_set_is_served_and_cuts_every_sample(services, model_dir):
+    """MAX_STOP_STRINGS strings of MAX_STOP_CHARS characters in all, one of them in the greedy text:
+    each of n = 2 samples is cut before its first occurrence."""
+    prompt = sample_prompts(model_dir, n=8)[2]
+    s = stub(services)
+    plain = wire.sampling_to_pb(SamplingParams(temperature=0, max_tokens=24))
+    text = "".join(r.text for r in s.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=plain)))
+    assert len(text) >= 8
+    stop = text[4:7]
+    never = [f"\x00{i:04d}".ljust(64, "#") for i in range(MAX_STOP_STRINGS - 1)]
+    sp = SamplingParams(temperature=0, max_tokens=24, n=2, stop=[*never, stop])
+    assert sum(map(len, sp.stop)) <= MAX_STOP_CHARS
+    responses = list(s.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=wire.sampling_to_pb(sp))))
+    for index in range(2):
+        mine = [r for r in responses if r.index == index]
+        assert "".join(r.text for r in mine) == text[:text.find(stop)]
+        assert mine[-1].finish_reason == pb.STOP
+    assert_all_blocks_free(services)
 
 
 def test_n_samples_stream_on_their_own_and_match_the_offline_api(services, offline, model_dir):

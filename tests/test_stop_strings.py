@@ -1,5 +1,5 @@
-"""Stop strings: the automaton against the brute-force search it replaced, and the semantics it keeps
-(where text is cut, what is held back)."""
+"""Stop strings: the automaton against the brute-force search it replaced, the semantics it keeps
+(where text is cut, what is held back), and the limits on a request's stop strings."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from pagewire_common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from scheduler_svc.api.stop_strings import StopMatcher, StopStrings
 from scheduler_svc.api.tokenizer import IncrementalDetokenizer
 
@@ -154,10 +155,10 @@ def test_the_largest_allowed_set_matches_the_brute_force():
     rng = random.Random(3)
     # many strings sharing prefixes, so the automaton's failure links are exercised
     stops: set[str] = set()
-    while len(stops) < 1024:
+    while len(stops) < MAX_STOP_STRINGS:
         stops.add("".join(rng.choice("abcd") for _ in range(rng.randint(2, 64))))
     stops = tuple(stops)
-    assert len(stops) == 1024 and sum(map(len, stops)) <= 65536
+    assert len(stops) == MAX_STOP_STRINGS and sum(map(len, stops)) <= MAX_STOP_CHARS
     for trial in range(20):
         text = "".join(rng.choice("abcd") for _ in range(200))
         chunks = random_chunks(rng, text)
@@ -181,3 +182,14 @@ def test_duplicate_stop_strings_are_one():
     deltas, detok = detokenize(["ab", "cd"], ("cd", "cd", "d"))
     assert deltas == ["ab", ""] and detok.text == "ab"
 
+
+# ---- limits ----------------------------------------------------------------------------------
+
+
+def test_stop_string_limits_are_refused_naming_the_limit():
+    SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)])
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS} stop strings are allowed, got 10000"):
+        SamplingParams(stop=[f"s{i}" for i in range(10_000)])
+    SamplingParams(stop=["x" * MAX_STOP_CHARS])
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_CHARS} characters in all, got {MAX_STOP_CHARS + 1}"):
+        SamplingParams(stop=["x" * (MAX_STOP_CHARS // 2), "y" * (MAX_STOP_CHARS // 2 + 1)])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagewire_common.requests import TextDelta
-from pagewire_common.sampling import DEFAULT_SAMPLING, MAX_TOP_LOGPROBS, SamplingParams
+from pagewire_common.sampling import DEFAULT_SAMPLING, MAX_TOP_LOGPROBS, SamplingParams, validate_stop
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -223,6 +223,10 @@ def parse(body, *, chat: bool) -> ParsedRequest:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad("stop must be a string or a list of strings", "stop")
+        try:
+            validate_stop(tuple(stop))
+        except ValueError as e:
+            raise bad(str(e), "stop") from None
         put("stop", tuple(stop))
     if body.get("stop_token_ids") is not None:
         put("stop_token_ids", tuple(_int_list(body["stop_token_ids"], "stop_token_ids")))
