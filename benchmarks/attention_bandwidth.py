@@ -17,8 +17,9 @@ reference (the CPU production path) runs eagerly, for comparison.
 
 --sweep searches the launch for each shape instead: key splits first (1, 2, 3, 4, 6, 8, 12 with the
 default tiles), then one tile knob at a time (keys per tile, warps, pipeline stages) from the best so
-far, keeping a change that is faster, until nothing improves or --sweep-seconds per shape run out
-(each new launch shape compiles). It prints every trial and the best against the default launch.
+far, keeping a change that is faster, until nothing improves, then splits 2-6 with 64 or 128 keys
+per tile and 2 or 4 warps together, while --sweep-seconds per shape last (each new launch shape
+compiles). It prints every trial and the best against the default launch.
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def sweep(time_call, default_tiles, default_splits: int, seconds: float, log) ->
         for knob, values in SWEEP_KNOBS.items():
             for value in values:
                 improved |= consider(best[1], best[2]._replace(**{knob: value}))
+    # then the pairs the one-knob walk cannot reach: splits with keys per tile and warps together
+    for splits in SWEEP_SPLITS[1:5]:
+        for block_n in SWEEP_KNOBS["block_n"][1:]:
+            for num_warps in SWEEP_KNOBS["num_warps"][:2]:
+                consider(splits, best[2]._replace(block_n=block_n, num_warps=num_warps))
     return {
         "default": {"splits": default_splits, "tiles": default_tiles._asdict(), "us": default_s and default_s * 1e6},
         "best": {"splits": best[1], "tiles": best[2]._asdict(), "us": best[0] and best[0] * 1e6},

@@ -133,6 +133,29 @@ def test_choose_num_splits():
     assert choose_num_splits(num_programs=8, max_seq_len=32768, num_sms=132) == 16  # capped
     assert choose_num_splits(num_programs=1, max_seq_len=300, num_sms=132) == 1  # too short to split
     assert choose_num_splits(num_programs=2, max_seq_len=1024, num_sms=132) == 4  # >= 256 keys per split
+    # 8 kv heads (Llama-3.2-1B): 512 programs are 3.9 per SM, close enough to 4 to stay unsplit
+    assert choose_num_splits(num_programs=64 * 8, max_seq_len=2048, num_sms=132) == 1
+
+
+def test_long_gqa_decodes_read_wide_key_tiles():
+    from kvcache.attention_metadata import AttentionMetadata
+    from kvcache.triton_attention import Tiles, plan_launch
+
+    def plan(num_heads, num_kv_heads, dtype, seq_len, num_seqs=64, num_splits=1, tiles=None):
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(num_seqs, dtype=torch.int64), query_start_loc=torch.arange(num_seqs + 1),
+            seq_lens=torch.full((num_seqs,), seq_len), block_tables=torch.zeros((num_seqs, 1), dtype=torch.int32),
+            max_query_len=1, max_seq_len=seq_len, query_lens_cpu=[1] * num_seqs, seq_lens_cpu=[seq_len] * num_seqs,
+            logits_indices=torch.arange(num_seqs),
+        )
+        return plan_launch(torch.zeros((num_seqs, num_heads, 64), dtype=dtype), num_kv_heads, meta, num_splits, tiles)
+
+    assert plan(32, 8, torch.bfloat16, 2048).block_n == 128  # 4 heads per kv head, 2,048 keys a program
+    assert plan(32, 8, torch.bfloat16, 2048, num_splits=3).block_n == 64  # 683 keys a program
+    assert plan(9, 3, torch.bfloat16, 4096, num_splits=3).block_n == 128  # 3 heads pad to 4
+    assert plan(12, 12, torch.bfloat16, 2048).block_n == 64  # one head per kv head
+    assert plan(32, 8, torch.float32, 2048).block_n == 32  # fp32 keeps its smaller tiles
+    assert plan(32, 8, torch.bfloat16, 2048, tiles=Tiles(16, 32, 4, 2)).block_n == 32  # given tiles are kept
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
