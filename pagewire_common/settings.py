@@ -36,6 +36,8 @@ PUBLIC = "public"
 ALL_SCOPES = (WORKER, CORE, API, PROCESS, PUBLIC)
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WORKER_KINDS = ("model", "null")
+QUANTIZATIONS = ("none", "int8")
+GGUF_WEIGHTS = ("auto", "quantized", "dequantize")
 
 
 def parse_bytes_size(text: str) -> int:
@@ -176,6 +178,17 @@ class Settings:
         False, "make a request's tokens independent of its batch and of prefix-cache hits on CPU: every attention "
         "chunk on the C kernel and every unrestricted row drawn the same way; costs up to ~10%% on long bf16 "
         "prefills (4k tokens)", scope=(WORKER,), check=_boolean)
+    quantization: str = _setting(
+        "none", "int8: keep the linears and the output head of a safetensors checkpoint as int8 blocks on CPU (one "
+        "rank), 32 weights and one fp16 scale each, dequantized to fp32 in registers; a quarter of fp32's bytes "
+        "to read per token (default: %(default)s)", scope=(WORKER,), check=_one_of(QUANTIZATIONS),
+        choices=QUANTIZATIONS)
+    gguf_weights: str = _setting(
+        "auto", "how a .gguf model's weights are served on CPU with one rank: quantized: from the file's Q4_0, "
+        "Q4_1 and Q8_0 blocks as they are (memory about the file's size), an error for other block types; "
+        "dequantize: the fp32 copy converted once (as on CUDA); auto: quantized where every tensor's type is "
+        "served so, else dequantized (default: %(default)s)", scope=(WORKER,), check=_one_of(GGUF_WEIGHTS),
+        choices=GGUF_WEIGHTS)
     worker: str = _setting(
         "model", "model: run the model (default); null: no model math, return fixed ordinary tokens using "
         "--model's config and tokenizer only, to measure the control plane (scheduler, gRPC, streaming)",

@@ -26,7 +26,7 @@ SAMPLE = dict(model="/m", served_model_name="m", dtype="bfloat16", device="cpu",
               kv_cache_bytes=1 << 20, max_model_len=99, num_threads=3, cuda_graphs=False, cuda_graph_max_batch=12,
               deterministic=True, worker="null", max_num_batched_tokens=48, max_num_seqs=5, enable_prefix_caching=False,
               max_queued_requests=7, overlap=False, admission_turns=4, prefill_pacing_steps=9, profile_steps=6,
-              stream_interval=3,
+              stream_interval=3, quantization="int8", gguf_weights="dequantize",
               grpc_listeners=2, api_servers=2, http_listen="127.0.0.1:9", shutdown_timeout=4.5, tensor_parallel_size=2,
               distributed_init="10.0.0.1:29500", rank=1, world_size=2, api_key="k3y", tls_cert_file="/c.pem",
               tls_key_file="/k.pem")

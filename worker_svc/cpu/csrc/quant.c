@@ -1,0 +1,418 @@
+/* y = x W^T + b on CPU with W kept in a 4- or 8-bit block format (GGUF Q4_0, Q4_1, Q8_0), x, y
+ * and b float32; each weight is dequantized to fp32 in registers and multiplied by an fp32 FMA.
+ *
+ * A block holds 32 consecutive weights of one output row with an fp16 scale d (and for Q4_1 an
+ * fp16 offset m): Q4_0 w = (q - 8) d, q in 0..15; Q4_1 w = q d + m, q in 0..15; Q8_0 w = q d, q in
+ * -128..127. The products q d are exact in fp32 (11-bit d times a 4- or 8-bit q), so fma(q, d, m)
+ * rounds once, as d * q + m does: the weights are bit for bit those of the dequantized model
+ * (gguf.quants.dequantize), and each output is summed in order along k (acc = fma(x[k], w[k],
+ * acc) from k = 0) whatever the number of rows, so a row's result does not depend on its batch.
+ *
+ * Packed layout: the output columns are padded to a multiple of 32 and taken 32 at a time (a
+ * group); group g is nb = k / 32 tiles in a row, tile b covering k in [32 b, 32 b + 32):
+ *   d[32] fp16 (column j's scale), Q4_1 only: m[32] fp16, then the quants:
+ *   Q4_0/Q4_1: 16 rows of 32 bytes, row t byte j = q[j][32b + 2t] | q[j][32b + 2t + 1] << 4;
+ *   Q8_0:      32 rows of 32 int8, row i byte j = q[j][32b + i].
+ * A tile is exactly as large as 32 GGUF blocks (576, 640, 1088 bytes), so the packed weight is the
+ * file's size (plus at most 31 zero columns). One 32-byte row widens to the 32 columns of one k
+ * (two for 4 bits: the low then the high nibbles) in 2 vectors of 16 (AVX-512) or 4 of 8 (AVX2).
+ *
+ * Rows: up to DIRECT_ROWS rows (decode, one stream) dequantize each tile in registers as they
+ * multiply it; more rows dequantize a group's whole k range once into a per-thread fp32 buffer and
+ * multiply blocks of rows by it (the same weights, the same order of sums). Rows go in chunks of
+ * ~256 KiB of x, so a chunk stays in L2 while the groups pass over it. OpenMP threads split the
+ * groups statically.
+ *
+ * Built at first use by worker_svc/cpu/quantized.py (through worker_svc.cpu.build) and called
+ * through ctypes; ``dequantize_ref`` there (torch) is what tests hold it to.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* ggml's type ids */
+#define GROUP 32                       /* output columns of a group */
+#define QK 32                          /* weights of a block */
+#define CHUNK_BYTES (256 << 10)        /* of x per row chunk */
+
+static inline int64_t tile_bytes(int type) { return type == Q4_0 ? 576 : type == Q4_1 ? 640 : 1088; }
+static inline int64_t quants_offset(int type) { return type == Q4_1 ? 128 : 64; }
+
+static inline float half_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 0x1f) {
+        v.u = sign | 0x7f800000u | (mant << 13);
+    } else if (exp) {
+        v.u = sign | ((exp + 112) << 23) | (mant << 13);
+    } else { /* zero or subnormal: mant * 2^-24, exact in fp32 */
+        v.f = (float)mant * 5.9604644775390625e-08f;
+        v.u |= sign;
+    }
+    return v.f;
+}
+
+/* Weight (column j, k index kk within the tile) of one tile, as the kernels compute it. */
+static inline float tile_weight(int type, const uint8_t *tile, int j, int kk) {
+    const uint16_t *h = (const uint16_t *)tile;
+    const float d = half_to_float(h[j]);
+    const uint8_t *qs = tile + quants_offset(type);
+    if (type == Q8_0) return (float)(int8_t)qs[kk * GROUP + j] * d;
+    const uint8_t byte = qs[(kk / 2) * GROUP + j];
+    const int q = kk & 1 ? byte >> 4 : byte & 15;
+    if (type == Q4_0) return (float)(q - 8) * d;
+    return __builtin_fmaf((float)q, d, half_to_float(h[GROUP + j]));
+}
+
+#if defined(__AVX512F__)
+#define SIMD 512
+#define VL 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define VF_ZERO() _mm512_setzero_ps()
+#define VF_SET1(v) _mm512_set1_ps(v)
+#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VF_MUL(a, b) _mm512_mul_ps(a, b)
+#define VF_LOAD(p) _mm512_loadu_ps(p)
+#define VF_STORE(p, v) _mm512_storeu_ps(p, v)
+#define VF_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VI_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_S8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_LOW(v) _mm512_and_si512(v, _mm512_set1_epi32(15))
+#define VI_HIGH(v) _mm512_srli_epi32(v, 4)
+#define VF_CVT(v) _mm512_cvtepi32_ps(v)
+#define DIRECT_ROWS 8
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SIMD 256
+#define VL 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define VF_ZERO() _mm256_setzero_ps()
+#define VF_SET1(v) _mm256_set1_ps(v)
+#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VF_MUL(a, b) _mm256_mul_ps(a, b)
+#define VF_LOAD(p) _mm256_loadu_ps(p)
+#define VF_STORE(p, v) _mm256_storeu_ps(p, v)
+#define VF_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VI_S8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VI_LOW(v) _mm256_and_si256(v, _mm256_set1_epi32(15))
+#define VI_HIGH(v) _mm256_srli_epi32(v, 4)
+#define VF_CVT(v) _mm256_cvtepi32_ps(v)
+#define DIRECT_ROWS 2
+#else
+#define SIMD 0
+#define DIRECT_ROWS 4
+#endif
+
+#if SIMD
+#define NV (GROUP / VL) /* vectors per group row */
+#define MRB (12 / NV)   /* rows per block from the buffer: 12 accumulators */
+
+/* Store acc rows (+ bias) into y's columns [col, col + cols). */
+static inline void store_rows(const float *acc, int mr, float *y, int64_t y_stride, const float *bias, int64_t col,
+                              int64_t cols) {
+    for (int r = 0; r < mr; r++) {
+        float *dst = y + r * y_stride + col;
+        const float *a = acc + r * GROUP;
+        if (bias)
+            for (int64_t j = 0; j < cols; j++) dst[j] = a[j] + bias[col + j];
+        else
+            memcpy(dst, a, sizeof(float) * (size_t)cols);
+    }
+}
+
+/* mr rows of x times one group (nb tiles), each tile dequantized in registers. TYPE and MR are
+ * constants after inlining. */
+static inline __attribute__((always_inline)) void group_direct(
+    const int type, const float *x, int64_t x_stride, const uint8_t *tiles, int64_t nb, const int mr,
+    float *y, int64_t y_stride, const float *bias, int64_t col, int64_t cols) {
+    const int64_t tb = tile_bytes(type);
+    vf acc[DIRECT_ROWS][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < DIRECT_ROWS; r++)
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++) acc[r][v] = VF_ZERO();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
+        const float *xb = x + b * QK;
+        vf d[NV], m[NV];
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++) {
+            d[v] = VF_HALF(tile + 2 * v * VL);
+            m[v] = type == Q4_1 ? VF_HALF(tile + 2 * GROUP + 2 * v * VL) : VF_MUL(d[v], VF_SET1(-8.0f));
+        }
+        if (type == Q8_0) {
+            for (int i = 0; i < QK; i++) {
+#pragma GCC unroll 16
+                for (int v = 0; v < NV; v++) {
+                    const vf w = VF_MUL(VF_CVT(VI_S8(qs + i * GROUP + v * VL)), d[v]);
+#pragma GCC unroll 16
+                    for (int r = 0; r < DIRECT_ROWS; r++)
+                        if (r < mr) acc[r][v] = VF_FMA(VF_SET1(xb[r * x_stride + i]), w, acc[r][v]);
+                }
+            }
+        } else {
+            for (int t = 0; t < QK / 2; t++) {
+#pragma GCC unroll 16
+                for (int v = 0; v < NV; v++) {
+                    const vi q = VI_U8(qs + t * GROUP + v * VL);
+                    const vf w0 = VF_FMA(VF_CVT(VI_LOW(q)), d[v], m[v]);
+                    const vf w1 = VF_FMA(VF_CVT(VI_HIGH(q)), d[v], m[v]);
+#pragma GCC unroll 16
+                    for (int r = 0; r < DIRECT_ROWS; r++)
+                        if (r < mr) {
+                            acc[r][v] = VF_FMA(VF_SET1(xb[r * x_stride + 2 * t]), w0, acc[r][v]);
+                            acc[r][v] = VF_FMA(VF_SET1(xb[r * x_stride + 2 * t + 1]), w1, acc[r][v]);
+                        }
+                }
+            }
+        }
+    }
+    float out[DIRECT_ROWS * GROUP] __attribute__((aligned(64)));
+#pragma GCC unroll 16
+    for (int r = 0; r < DIRECT_ROWS; r++)
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++)
+            if (r < mr) VF_STORE(out + r * GROUP + v * VL, acc[r][v]);
+    store_rows(out, mr, y, y_stride, bias, col, cols);
+}
+
+/* One copy per type and row count. */
+#define DIRECT_TYPE(NAME, TYPE)                                                                          \
+    static void NAME(const float *x, int64_t xs, const uint8_t *tiles, int64_t nb, int mr, float *y,     \
+                     int64_t ys, const float *bias, int64_t col, int64_t cols) {                         \
+        switch (mr) {                                                                                    \
+        case 1: group_direct(TYPE, x, xs, tiles, nb, 1, y, ys, bias, col, cols); break;                   \
+        case 2: group_direct(TYPE, x, xs, tiles, nb, 2, y, ys, bias, col, cols); break;                   \
+        case 3: group_direct(TYPE, x, xs, tiles, nb, DIRECT_ROWS < 3 ? DIRECT_ROWS : 3, y, ys, bias, col, \
+                             cols); break;                                                                \
+        case 4: group_direct(TYPE, x, xs, tiles, nb, DIRECT_ROWS < 4 ? DIRECT_ROWS : 4, y, ys, bias, col, \
+                             cols); break;                                                                \
+        case 5: group_direct(TYPE, x, xs, tiles, nb, DIRECT_ROWS < 5 ? DIRECT_ROWS : 5, y, ys, bias, col, \
+                             cols); break;                                                                \
+        case 6: group_direct(TYPE, x, xs, tiles, nb, DIRECT_ROWS < 6 ? DIRECT_ROWS : 6, y, ys, bias, col, \
+                             cols); break;                                                                \
+        case 7: group_direct(TYPE, x, xs, tiles, nb, DIRECT_ROWS < 7 ? DIRECT_ROWS : 7, y, ys, bias, col, \
+                             cols); break;                                                                \
+        default: group_direct(TYPE, x, xs, tiles, nb, DIRECT_ROWS, y, ys, bias, col, cols); break;        \
+        }                                                                                                \
+    }
+DIRECT_TYPE(direct_q4_0, Q4_0)
+DIRECT_TYPE(direct_q4_1, Q4_1)
+DIRECT_TYPE(direct_q8_0, Q8_0)
+
+/* One group (nb tiles) dequantized into buf [nb * 32][32] fp32. */
+static inline __attribute__((always_inline)) void group_dequantize(const int type, const uint8_t *tiles, int64_t nb,
+                                                                   float *buf) {
+    const int64_t tb = tile_bytes(type);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
+        float *out = buf + b * QK * GROUP;
+        for (int v = 0; v < NV; v++) {
+            const vf d = VF_HALF(tile + 2 * v * VL);
+            const vf m = type == Q4_1 ? VF_HALF(tile + 2 * GROUP + 2 * v * VL) : VF_MUL(d, VF_SET1(-8.0f));
+            if (type == Q8_0) {
+                for (int i = 0; i < QK; i++) VF_STORE(out + i * GROUP + v * VL, VF_MUL(VF_CVT(VI_S8(qs + i * GROUP + v * VL)), d));
+            } else {
+                for (int t = 0; t < QK / 2; t++) {
+                    const vi q = VI_U8(qs + t * GROUP + v * VL);
+                    VF_STORE(out + 2 * t * GROUP + v * VL, VF_FMA(VF_CVT(VI_LOW(q)), d, m));
+                    VF_STORE(out + (2 * t + 1) * GROUP + v * VL, VF_FMA(VF_CVT(VI_HIGH(q)), d, m));
+                }
+            }
+        }
+    }
+}
+
+static void dequantize_group(int type, const uint8_t *tiles, int64_t nb, float *buf) {
+    switch (type) {
+    case Q4_0: group_dequantize(Q4_0, tiles, nb, buf); break;
+    case Q4_1: group_dequantize(Q4_1, tiles, nb, buf); break;
+    default: group_dequantize(Q8_0, tiles, nb, buf); break;
+    }
+}
+
+/* mr rows of x times a dequantized group buf [k][32]. */
+static inline __attribute__((always_inline)) void buffer_rows(const float *x, int64_t x_stride, const float *buf,
+                                                              int64_t k, const int mr, float *y, int64_t y_stride,
+                                                              const float *bias, int64_t col, int64_t cols) {
+    vf acc[MRB][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < MRB; r++)
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++) acc[r][v] = VF_ZERO();
+    for (int64_t kk = 0; kk < k; kk++) {
+        vf w[NV];
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++) w[v] = VF_LOAD(buf + kk * GROUP + v * VL);
+#pragma GCC unroll 16
+        for (int r = 0; r < MRB; r++)
+            if (r < mr) {
+                const vf xb = VF_SET1(x[r * x_stride + kk]);
+#pragma GCC unroll 16
+                for (int v = 0; v < NV; v++) acc[r][v] = VF_FMA(xb, w[v], acc[r][v]);
+            }
+    }
+    float out[MRB * GROUP] __attribute__((aligned(64)));
+#pragma GCC unroll 16
+    for (int r = 0; r < MRB; r++)
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++)
+            if (r < mr) VF_STORE(out + r * GROUP + v * VL, acc[r][v]);
+    store_rows(out, mr, y, y_stride, bias, col, cols);
+}
+
+static void buffer_block(const float *x, int64_t xs, const float *buf, int64_t k, int mr, float *y, int64_t ys,
+                         const float *bias, int64_t col, int64_t cols) {
+    switch (mr) {
+    case 1: buffer_rows(x, xs, buf, k, 1, y, ys, bias, col, cols); break;
+    case 2: buffer_rows(x, xs, buf, k, 2, y, ys, bias, col, cols); break;
+    case 3: buffer_rows(x, xs, buf, k, 3, y, ys, bias, col, cols); break;
+#if MRB > 3
+    case 4: buffer_rows(x, xs, buf, k, 4, y, ys, bias, col, cols); break;
+    case 5: buffer_rows(x, xs, buf, k, 5, y, ys, bias, col, cols); break;
+#endif
+    default: buffer_rows(x, xs, buf, k, MRB, y, ys, bias, col, cols); break;
+    }
+}
+
+static __thread float *thread_buf;
+static __thread int64_t thread_buf_floats;
+
+static float *group_buffer(int64_t floats) {
+    if (thread_buf_floats < floats) {
+        free(thread_buf);
+        thread_buf = aligned_alloc(64, (size_t)floats * sizeof(float));
+        thread_buf_floats = thread_buf ? floats : 0;
+    }
+    return thread_buf;
+}
+#endif /* SIMD */
+
+/* The portable path: the same weights, each output summed in order along k. */
+static void linear_portable(int type, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias,
+                            float *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t nb = k / QK, tb = tile_bytes(type), groups = (n + GROUP - 1) / GROUP;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int j = 0; j < GROUP && g * GROUP + j < n; j++) {
+            for (int64_t r = 0; r < m; r++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *tile = packed + (g * nb + b) * tb;
+                    for (int kk = 0; kk < QK; kk++)
+                        acc = __builtin_fmaf(x[r * x_stride + b * QK + kk], tile_weight(type, tile, j, kk), acc);
+                }
+                y[r * y_stride + g * GROUP + j] = bias ? acc + bias[g * GROUP + j] : acc;
+            }
+        }
+    }
+}
+
+/* x [m, k] fp32 (rows x_stride apart; k a multiple of 32), W [n, k] packed as above in `type`,
+ * bias [n] fp32 or NULL -> y [m, n] fp32 (rows y_stride apart). */
+void quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
+                  int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    if (m <= 0 || n <= 0) return;
+#if SIMD
+    const int64_t nb = k / QK, groups = (n + GROUP - 1) / GROUP, group_bytes = nb * tile_bytes(type);
+    if (m <= DIRECT_ROWS) {
+        void (*direct)(const float *, int64_t, const uint8_t *, int64_t, int, float *, int64_t, const float *, int64_t,
+                       int64_t) = type == Q4_0 ? direct_q4_0 : type == Q4_1 ? direct_q4_1 : direct_q8_0;
+        #pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
+            direct(x, x_stride, packed + g * group_bytes, nb, (int)m, y, y_stride, bias, col, cols);
+        }
+        return;
+    }
+    int64_t max_rows = CHUNK_BYTES / (4 * (k > 0 ? k : 1)) / MRB * MRB;
+    if (max_rows < MRB) max_rows = MRB;
+    const int64_t num_chunks = (m + max_rows - 1) / max_rows;
+    const int64_t chunk = num_chunks > 1 ? ((m + num_chunks - 1) / num_chunks + MRB - 1) / MRB * MRB : m;
+    #pragma omp parallel
+    {
+        float *buf = group_buffer(k * GROUP);
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            const int64_t num_blocks = (m1 - m0 + MRB - 1) / MRB;
+            #pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
+                if (!buf) { /* no memory for the buffer: dequantize in registers, a few rows at a time */
+                    for (int64_t r0 = m0; r0 < m1; r0 += DIRECT_ROWS) {
+                        const int mr = (int)(m1 - r0 < DIRECT_ROWS ? m1 - r0 : DIRECT_ROWS);
+                        (type == Q4_0 ? direct_q4_0 : type == Q4_1 ? direct_q4_1 : direct_q8_0)(
+                            x + r0 * x_stride, x_stride, packed + g * group_bytes, nb, mr, y + r0 * y_stride, y_stride,
+                            bias, col, cols);
+                    }
+                    continue;
+                }
+                dequantize_group(type, packed + g * group_bytes, nb, buf);
+                for (int64_t b = 0, r0 = m0; b < num_blocks; b++) {
+                    /* near-equal blocks: the first (rows % blocks) get one row more */
+                    const int mr = (int)((m1 - m0) / num_blocks + (b < (m1 - m0) % num_blocks));
+                    buffer_block(x + r0 * x_stride, x_stride, buf, k, mr, y + r0 * y_stride, y_stride, bias, col, cols);
+                    r0 += mr;
+                }
+            }
+        }
+    }
+#else
+    linear_portable(type, x, x_stride, packed, bias, y, y_stride, m, n, k);
+#endif
+}
+
+/* GGUF blocks of W [n, k] (row-major, k / 32 blocks of block_bytes per row) -> the packed layout
+ * above, with zero columns past n up to a multiple of 32. */
+void quant_pack(int type, const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
+    const int64_t nb = k / QK, tb = tile_bytes(type), bb = tb / GROUP, groups = (n + GROUP - 1) / GROUP;
+    const int64_t qoff = quants_offset(type);
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *tile = out + (g * nb + b) * tb;
+            memset(tile, 0, (size_t)tb);
+            for (int j = 0; j < GROUP && g * GROUP + j < n; j++) {
+                const uint8_t *block = blocks + ((g * GROUP + j) * nb + b) * bb;
+                memcpy(tile + 2 * j, block, 2); /* d */
+                if (type == Q8_0) {
+                    for (int i = 0; i < QK; i++) tile[qoff + i * GROUP + j] = block[2 + i];
+                    continue;
+                }
+                if (type == Q4_1) memcpy(tile + 2 * GROUP + 2 * j, block + 2, 2); /* m */
+                const uint8_t *qs = block + (type == Q4_1 ? 4 : 2); /* byte i: weight i, weight i + 16 */
+                for (int t = 0; t < QK / 2; t++) {
+                    const int i0 = 2 * t, i1 = 2 * t + 1;
+                    const int q0 = i0 < 16 ? qs[i0] & 15 : qs[i0 - 16] >> 4;
+                    const int q1 = i1 < 16 ? qs[i1] & 15 : qs[i1 - 16] >> 4;
+                    tile[qoff + t * GROUP + j] = (uint8_t)(q0 | q1 << 4);
+                }
+            }
+        }
+    }
+}
+
+/* Rows `ids` of W [n, k] (an embedding table in the packed layout), dequantized: out [count, k] fp32. */
+void quant_rows(int type, const uint8_t *packed, const int64_t *ids, int64_t count, int64_t n, int64_t k, float *out) {
+    const int64_t nb = k / QK, tb = tile_bytes(type);
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t id = ids[i] < 0 || ids[i] >= n ? 0 : ids[i];
+        const int64_t g = id / GROUP;
+        const int j = (int)(id % GROUP);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *tile = packed + (g * nb + b) * tb;
+            for (int kk = 0; kk < QK; kk++) out[i * k + b * QK + kk] = tile_weight(type, tile, j, kk);
+        }
+    }
+}
+
+/* 512 or 256: the vector width the kernel was built with; 0 for the portable loops. */
+int quant_simd(void) { return SIMD; }
+
+/* The ABI version worker_svc/cpu/quantized.py expects; bump it when a signature changes. */
+int pagewire_cpu_quant_abi(void) { return 1; }
