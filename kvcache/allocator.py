@@ -37,6 +37,22 @@ _ROOT_BLOCK_HASH = 0x70A6E817E
 _DETACHED = -1
 
 
+def chain_block_hash(parent_hash: int, block_token_ids: Sequence[int]) -> int:
+    """The prefix hash of one full block: its parent's hash chained with its token ids."""
+    return hash((parent_hash, tuple(block_token_ids)))
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of the full blocks at the start of ``token_ids``, as the allocator
+    registers them (the API servers' router compares them with the cores' KV events)."""
+    hashes: list[int] = []
+    parent_hash = _ROOT_BLOCK_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = chain_block_hash(parent_hash, token_ids[start : start + block_size])
+        hashes.append(parent_hash)
+    return hashes
+
+
 class Allocation(NamedTuple):
     block_ids: list[int]  # the sequence's full block table after allocation
     num_cached_tokens: int  # tokens whose K/V is already in the cache (prefix hit)
@@ -196,7 +212,7 @@ class BlockAllocator:
     # ---- prefix cache -------------------------------------------------------------------
     def _block_hash(self, parent_hash: int, token_ids: Sequence[int], block_index: int) -> int:
         start = block_index * self.block_size
-        return hash((parent_hash, tuple(token_ids[start : start + self.block_size])))
+        return chain_block_hash(parent_hash, token_ids[start : start + self.block_size])
 
     def _match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         """Block ids and hashes of the longest chain of cached full blocks at the start."""

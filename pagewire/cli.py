@@ -1,4 +1,4 @@
-"""The ``pagewire`` command: serve, worker, scheduler, api-server, generate, bench."""
+"""The ``pagewire`` command: serve, core, worker, scheduler, api-server, generate, bench."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pagewire_common.settings import API, CORE, PROCESS, PUBLIC, WORKER, Setting
 from pagewire_common.supervisor import die_with_parent
 
 PUBLIC_TITLE = "public address: API key and TLS"
+# the engine cores serve starts or joins: its own flags only (the scheduler and API servers get addresses)
+DATA_PARALLEL_LAYOUT = ("data_parallel_size", "data_parallel_cores")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,20 +57,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core-listen", default=None, metavar="ADDR",
                    help="address of the core's internal SchedulerCore service, for API servers run apart with "
                    "`pagewire api-server --scheduler ADDR` (default: a private unix socket)")
+    p.add_argument("--core-only", action="store_true",
+                   help="start no API servers (--listen is not used): serve only the core on --core-listen, for "
+                   "the API servers of `serve --data-parallel-size` or of another machine")
     add_arguments(p, (CORE,), title="batching (scheduler core)")
-    add_arguments(p, (API, PROCESS), title="API servers and processes")
+    add_arguments(p, (API, PROCESS), title="API servers and processes", skip=DATA_PARALLEL_LAYOUT)
     add_arguments(p, (PUBLIC,), title=PUBLIC_TITLE)
 
     p = sub.add_parser("api-server", help="run one API server in front of a running scheduler core",
                        description="Serve pagewire.v1.Generation on --listen: validate, tokenize, stream, in front "
                        "of the scheduler core at --scheduler (its --core-listen). The scheduler starts these itself; "
                        "run one alone to add capacity or to debug.")
-    p.add_argument("--scheduler", required=True, metavar="ADDR", help="the scheduler core's address (its --core-listen)")
+    p.add_argument("--scheduler", required=True, metavar="ADDR[,ADDR...]",
+                   help="the engine cores' addresses (each a scheduler's --core-listen); with several, each request "
+                   "goes to one of them (--data-parallel-routing)")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="public address for clients (default: %(default)s)")
     p.add_argument("--reuse-port", action="store_true",
                    help="share --listen with other API servers (SO_REUSEPORT); the scheduler passes it to its own")
-    add_arguments(p, (API, PROCESS), title="API server", skip=("api_servers",))
+    add_arguments(p, (API, PROCESS), title="API server", skip=("api_servers", *DATA_PARALLEL_LAYOUT))
     add_arguments(p, (PUBLIC,), title=PUBLIC_TITLE)
+
+    p = sub.add_parser("core", help="run an engine core (worker + scheduler core) for the API servers of another "
+                       "machine", description="Start a worker and a scheduler core without API servers, the core "
+                       "listening on --listen, and keep them alive as serve does. The API servers of "
+                       "`pagewire serve --data-parallel-cores HOST:PORT` on another machine send requests to it; "
+                       "while it is down they route around it, and it rejoins when it is back.")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="the core's address for the API servers (its frame links take an ephemeral port of the "
+                   "same host)")
+    add_arguments(p, (WORKER,), title="model and KV cache (worker)")
+    add_arguments(p, (CORE,), title="batching (scheduler core)", skip=("max_model_len",))
+    add_arguments(p, (PROCESS,), title="processes",
+                  skip=("api_servers", "http_listen", *DATA_PARALLEL_LAYOUT))
 
     p = sub.add_parser("generate", help="stream a completion from a running server to stdout")
     p.add_argument("prompt", help="the prompt text (or the user message with --chat)")
@@ -112,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "scheduler":
             from scheduler_svc.core.main import run_scheduler
 
-            return eventloop.run(run_scheduler(args.worker_address, args.listen, Settings.from_args(args),
-                                               core_listen=args.core_listen, log_level=args.log_level))
+            return eventloop.run(run_scheduler(args.worker_address, None if args.core_only else args.listen,
+                                               Settings.from_args(args), core_listen=args.core_listen,
+                                               log_level=args.log_level))
         if args.command == "api-server":
             from scheduler_svc.api.main import run_api_server
 
@@ -123,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             from pagewire.serve import serve
 
             return serve(Settings.from_args(args), args.listen, args.log_level)
+        if args.command == "core":
+            from pagewire.serve import serve_core
+
+            return serve_core(Settings.from_args(args), args.listen, args.log_level)
         if args.command == "generate":
             from pagewire.client import generate_command
 

@@ -1,4 +1,5 @@
-"""``pagewire serve``: the worker and the scheduler (core + API servers) as supervised children.
+"""``pagewire serve``: the worker and the scheduler (core + API servers) as supervised children;
+``pagewire core``: a worker and a core alone, for the API servers of another machine.
 
 This process only starts, watches and stops its children. The worker listens on a private unix
 socket, the core on another; the scheduler starts the API servers on the public address. A child
@@ -6,6 +7,10 @@ that dies after it was ready is restarted (its calls in flight end UNAVAILABLE; 
 reconnects to a restarted worker by itself); one that dies before it was ever ready, or crashes
 again and again, stops serve with a message that says which. SIGINT/SIGTERM: the scheduler drains
 (no new calls, running ones finish), then the worker stops.
+
+With ``--data-parallel-size N`` (or ``--data-parallel-cores``) serve starts N workers and N engine
+cores (``pagewire scheduler --core-only``), and the API servers itself, each connected to every
+core, the local ones and those named; a core that dies fails only its own calls and is restarted.
 """
 
 from __future__ import annotations
@@ -22,9 +27,19 @@ import grpc
 
 from pagewire_common import eventloop
 from pagewire_common.addresses import check_address_free, http_url
-from pagewire_common.settings import API, CORE, PROCESS, PUBLIC, WORKER, Settings
+from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
+from pagewire_common.settings import (
+    API,
+    CORE,
+    PROCESS,
+    PUBLIC,
+    WORKER,
+    Settings,
+    check_host_port,
+)
 from pagewire_common.supervisor import Supervisor
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
+from scheduler_svc.core.main import api_server_argv
 
 log = logging.getLogger("pagewire.serve")
 
@@ -41,13 +56,134 @@ def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
     if settings.http_listen != "off":
         settings = settings.replace(http_listen=check_address_free(settings.http_listen))
     TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
+    data_parallel = settings.data_parallel_size > 1 or settings.data_parallel_cores is not None
+    workers = worker_settings(settings) if data_parallel else []
     # the sockets' folder: removed here at the end, or by a child that outlives a hard kill of serve
     run_dir = tempfile.mkdtemp(prefix="pagewire-")
     try:
+        if data_parallel:
+            return eventloop.run(_serve_data_parallel(settings, listen, log_level, run_dir, workers))
         return eventloop.run(_serve(settings, listen, log_level, run_dir))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         log.info("stopped")
+
+
+def serve_core(settings: Settings, listen: str, log_level: str = "info") -> int:
+    """``pagewire core``: a worker and an engine core listening on ``listen`` (host:port), with no
+    API servers: those of ``serve --data-parallel-cores`` on another machine connect to it."""
+    problem = check_host_port(listen)
+    if problem:
+        raise ValueError(f"--listen {problem}")
+    listen = check_address_free(listen)
+    run_dir = tempfile.mkdtemp(prefix="pagewire-core-")
+    try:
+        return eventloop.run(_serve_core(settings, listen, log_level, run_dir))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log.info("stopped")
+
+
+def worker_settings(settings: Settings) -> list[Settings]:
+    """The settings of each of the ``--data-parallel-size`` workers. On CUDA worker i takes
+    cuda:i*T (its T tensor-parallel ranks the GPUs from there); ``ValueError`` when the machine has
+    too few GPUs or ``--device`` pins one. On CPU the workers split the machine's cores (cores / N
+    threads each, unless ``--num-threads``), as tensor-parallel ranks do."""
+    n, per_worker = settings.data_parallel_size, settings.num_ranks
+    device = settings.device
+    if device is not None and device.startswith("cuda:"):
+        raise ValueError(f"--device {device} pins one GPU; with --data-parallel-size {n} give --device cuda "
+                         "(worker i takes cuda:i) or leave it unset")
+    on_cuda = False
+    if device in (None, "cuda"):
+        import torch  # only here: a serve with one core never loads torch
+
+        on_cuda = torch.cuda.is_available()
+        if device == "cuda" and not on_cuda:
+            raise ValueError("--device cuda: this machine has no CUDA device")
+    if on_cuda:
+        count = torch.cuda.device_count()
+        if n * per_worker > count:
+            raise ValueError(f"--data-parallel-size {n} x {per_worker} tensor-parallel rank(s) needs "
+                             f"{n * per_worker} CUDA devices; this machine has {count}")
+        return [settings.replace(device=f"cuda:{i * per_worker}") for i in range(n)]
+    threads = settings.num_threads or max(1, (os.cpu_count() or 1) // (n * per_worker))
+    return [settings.replace(num_threads=threads if device in (None, "cpu") else settings.num_threads)] * n
+
+
+async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, run_dir: str,
+                               workers: list[Settings]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    failed: list[str] = []
+    env = {**os.environ, **settings.to_env((PUBLIC,))}
+    if not metrics_multiprocess_dir():
+        # the API servers write their request metrics here, so any of them reports all of them
+        os.mkdir(f"{run_dir}/metrics")
+        env[METRICS_MULTIPROC_ENV] = f"{run_dir}/metrics"
+    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir,
+                            env=env)
+    local_cores = []
+    for i, worker in enumerate(workers):
+        worker_addr, core_addr = f"unix:{run_dir}/worker{i}.sock", f"unix:{run_dir}/core{i}.sock"
+        supervisor.start(f"worker {i}", _cli(log_level, "worker", "--listen", worker_addr, *worker.to_argv((WORKER,))))
+        supervisor.start(f"engine core {i}", _core_argv(log_level, worker_addr, core_addr, settings))
+        local_cores.append(core_addr)
+    remote_cores = [a.strip() for a in settings.data_parallel_cores.split(",")] if settings.data_parallel_cores else []
+    cores = ",".join(local_cores + remote_cores)
+    for j in range(settings.api_servers):
+        supervisor.start(f"API server {j + 1}", api_server_argv(cores, listen, settings, log_level))
+    watcher = loop.create_task(supervisor.watch())
+    try:
+        # ready: every local core has its worker and all the API servers (cores elsewhere join when they can)
+        names = await asyncio.gather(*(_wait_ready(core, settings.api_servers, stop) for core in local_cores))
+        if names and all(name is not None for name in names):
+            for name in list(supervisor.children):
+                supervisor.mark_ready(name)
+            log.info("pagewire ready: serving %s on %s%s with %d local engine core(s)%s", names[0], listen,
+                     http_url(settings.http_listen), len(local_cores),
+                     f" and {len(remote_cores)} elsewhere ({settings.data_parallel_cores})" if remote_cores else "")
+        await stop.wait()
+    finally:
+        watcher.cancel()
+        # the API servers first (they drain while the cores and workers still compute), then the cores, then the workers
+        api_servers = [name for name in supervisor.children if name.startswith("API server")]
+        await supervisor.stop(timeout=settings.shutdown_timeout + 10,
+                              names=[*api_servers, *(f"engine core {i}" for i in range(len(workers))),
+                                     *(f"worker {i}" for i in range(len(workers)))])
+    return 1 if failed else 0
+
+
+def _core_argv(log_level: str, worker_addr: str, core_addr: str, settings: Settings) -> list[str]:
+    return _cli(log_level, "scheduler", "--worker", worker_addr, "--core-only", "--core-listen", core_addr,
+                "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((CORE,)))
+
+
+async def _serve_core(settings: Settings, listen: str, log_level: str, run_dir: str) -> int:
+    worker_addr = f"unix:{run_dir}/worker.sock"
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    failed: list[str] = []
+    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir)
+    supervisor.start("worker", _cli(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
+    supervisor.start("engine core", _core_argv(log_level, worker_addr, listen, settings))
+    watcher = loop.create_task(supervisor.watch())
+    try:
+        model_name = await _wait_ready(listen, 0, stop)
+        if model_name is not None:
+            supervisor.mark_ready("worker")
+            supervisor.mark_ready("engine core")
+            log.info("pagewire engine core ready: serving %s on %s for the API servers that name it", model_name,
+                     listen)
+        await stop.wait()
+    finally:
+        watcher.cancel()
+        await supervisor.stop(timeout=settings.shutdown_timeout + 10, names=["engine core", "worker"])
+    return 1 if failed else 0
 
 
 async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) -> int:

@@ -38,6 +38,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 WORKER_KINDS = ("model", "null")
 QUANTIZATIONS = ("none", "int8")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantize")
+ROUTINGS = ("cache-aware", "round-robin", "least-loaded")
 
 
 def parse_bytes_size(text: str) -> int:
@@ -88,12 +89,22 @@ def _http_address(value) -> str | None:
     return None
 
 
-def _host_port(value) -> str | None:
+def check_host_port(value) -> str | None:
+    """None for ``host:port`` (an optional ``tcp://`` before it), else what is wrong."""
     if value is None:
         return None
     host, sep, port = str(value).removeprefix("tcp://").rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         return f"must be host:port, got {value!r}"
+    return None
+
+
+def _core_addresses(value) -> str | None:
+    if value is None:
+        return None
+    for address in str(value).split(","):
+        if check_host_port(address.strip()) is not None:
+            return f"must be HOST:PORT[,HOST:PORT...], got {value!r} ({address.strip()!r} is not host:port)"
     return None
 
 
@@ -166,7 +177,7 @@ class Settings:
         type=int, metavar="N")
     distributed_init: str | None = _setting(
         None, "host:port of the TCP store that joins the ranks, served by rank 0 (default: a free loopback port, "
-        "all ranks on this machine)", scope=(WORKER,), check=_host_port, type=str, metavar="ADDR")
+        "all ranks on this machine)", scope=(WORKER,), check=check_host_port, type=str, metavar="ADDR")
     rank: int | None = _setting(
         None, "run only this rank of --world-size ranks started apart (several machines), joined at "
         "--distributed-init; rank 0 serves the scheduler (default: rank 0, which starts the others itself)",
@@ -233,6 +244,18 @@ class Settings:
         "and new calls queue; with more, calls on different connections are taken in side by side. A unix "
         "socket address gets one (default: %(default)s)", scope=(API,), check=_at_least(1), type=int, metavar="N")
 
+    data_parallel_routing: str = _setting(
+        "cache-aware", "how each API server picks the engine core of a request when there are several "
+        "(--data-parallel-size, --data-parallel-cores): cache-aware: the core holding the longest cached prefix "
+        "of the prompt's full blocks (from the cores' KV events), unless its running + waiting requests exceed the "
+        "least loaded core's by more than --data-parallel-balance-threshold, then the least loaded; round-robin: "
+        "in turn; least-loaded: the fewest running + waiting requests (default: %(default)s)", scope=(API,),
+        check=_one_of(ROUTINGS), choices=ROUTINGS)
+    data_parallel_balance_threshold: int = _setting(
+        16, "cache-aware routing sends a request to the core with its longest cached prefix only while that core's "
+        "running + waiting requests exceed the least loaded core's by at most this many (default: %(default)s)",
+        scope=(API,), check=_at_least(0), type=int, metavar="N")
+
     # ---- observability: every process that runs steps ----------------------------------------
     profile_steps: int = _setting(
         0, "time the phases of each step in every process (worker: wait for plan, plan decode, apply plan, "
@@ -249,6 +272,15 @@ class Settings:
         1, "API-server processes sharing the public address (SO_REUSEPORT: the kernel spreads connections); "
         "each tokenizes, detokenizes and streams its own clients (default: %(default)s)", scope=(PROCESS,),
         check=_at_least(1), type=int, metavar="N")
+    data_parallel_size: int = _setting(
+        1, "engine cores on this machine, each with its own worker (on CUDA worker i takes cuda:i, or GPUs "
+        "i*T..i*T+T-1 with --tensor-parallel-size T), behind the same API servers, which route each request to "
+        "one of them (--data-parallel-routing) (default: %(default)s)", scope=(PROCESS,), check=_at_least(1),
+        type=int, metavar="N")
+    data_parallel_cores: str | None = _setting(
+        None, "engine cores on other machines (each `pagewire core --listen HOST:PORT`) that the API servers "
+        "take requests to besides the local ones; a core that is down is left out of the routing until it is "
+        "back (default: none)", scope=(PROCESS,), check=_core_addresses, type=str, metavar="HOST:PORT[,...]")
     http_listen: str = _setting(
         "127.0.0.1:8000", "address of the OpenAI-compatible HTTP API and /metrics on every API server, host:port, "
         "or off (default: %(default)s)", scope=(PROCESS,), check=_http_address, type=str, metavar="ADDR")

@@ -50,8 +50,11 @@ def make_api(tokenizer: Tokenizer | None, *, connected: bool = True, inline_char
             raise stats
         return stats
 
+    async def core_stats():  # one core, index 0
+        return [(0, await get_stats())]
+
     return SimpleNamespace(model=ServedModel(info, tokenizer, offloaded), connected=event, core_connected=True,
-                           draining=False, stats=get_stats)
+                           draining=False, stats=get_stats, core_stats=core_stats)
 
 
 def call(api, method: str, request):

@@ -49,7 +49,9 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
             check_address_free(settings.http_listen)
     tls = TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)
     step_profile.configure("api-server", settings.profile_steps)
-    api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics())
+    api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics(),
+                    routing=settings.data_parallel_routing,
+                    balance_threshold=settings.data_parallel_balance_threshold)
     servers, port, servicer, health_servicer = await build_server(api, listen, reuse_port,
                                                                   listeners=settings.grpc_listeners,
                                                                   api_key=settings.api_key, tls=tls)
@@ -75,16 +77,16 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     if not stop.is_set():
         gc.collect()
         gc.freeze()
-        api_log.info("api-server ready on %s%s (pid %d), scheduler core %s", describe(listen, port),
+        api_log.info("api-server ready on %s%s (pid %d), engine core(s) %s", describe(listen, port),
                      http_url(settings.http_listen), os.getpid(), core_address)
     await stop.wait()
     api.draining = True
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + settings.shutdown_timeout
-    while api.pending and time.monotonic() < deadline and api.core_connected:
+    while api.num_pending and time.monotonic() < deadline and api.core_connected:
         await asyncio.sleep(0.05)
-    if api.pending:
-        api_log.warning("%d requests still running after %.0fs; cancelling them", len(api.pending), settings.shutdown_timeout)
+    if api.num_pending:
+        api_log.warning("%d requests still running after %.0fs; cancelling them", api.num_pending, settings.shutdown_timeout)
     if http_runner is not None:
         await http_runner.cleanup()
     await stop_servers(servers, grace=1.0)

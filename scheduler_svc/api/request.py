@@ -28,17 +28,25 @@ class ApiServer(Protocol):
     """What a request needs of the API server it came in by (``api.server.ApiServer``)."""
 
     draining: bool  # shutting down: refuse new requests
-    model: Any  # the served model (limits, tokenizer), None until the core reported it
-    connected: asyncio.Event  # the link to the core and the core's to the worker are up
+    model: Any  # the served model (limits, tokenizer), None until a core reported it
+    connected: asyncio.Event  # some core's link and that core's link to its worker are up
     core_connected: bool
+    metrics: Any  # RequestMetrics, or None
+
+    def route(self, token_ids: list[int]) -> "CoreLink": ...
+
+    def reject(self) -> None: ...
+
+
+class CoreLink(Protocol):
+    """What a request needs of the engine core it runs on (``api.core_link.CoreLink``)."""
+
     metrics: Any  # RequestMetrics, or None
 
     def submit(self, name: str, token_ids: list[int], sampling: SamplingParams, outbox: Outbox,
                request: "ApiRequest") -> int: ...
 
     def abort(self, request_id: int) -> None: ...
-
-    def reject(self) -> None: ...
 
     def note_undelivered(self) -> None: ...
 
@@ -64,7 +72,7 @@ class StreamOutbox(Outbox):
 
     __slots__ = ("_api", "_counted")
 
-    def __init__(self, api: ApiServer):
+    def __init__(self, api: CoreLink):
         super().__init__()
         self._api = api
         self._counted = False
@@ -104,8 +112,8 @@ class ApiRequest:
     __slots__ = ("api", "id", "request_id", "prompt_token_ids", "sampling", "outbox", "finished",
                  "arrival", "first_token_at", "last_token_at", "num_output_tokens", "num_unfinished", "was_started")
 
-    def __init__(self, api: ApiServer, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
-        self.api = api
+    def __init__(self, api: CoreLink, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
+        self.api = api  # the core it runs on
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -208,7 +216,8 @@ async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages
     except ValueError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
     try:
-        return ApiRequest(api, request_id or uuid.uuid4().hex, list(ids), sampling)
+        ids = list(ids)
+        return ApiRequest(api.route(ids), request_id or uuid.uuid4().hex, ids, sampling)
     except NotReadyError as e:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 

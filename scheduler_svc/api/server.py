@@ -1,46 +1,39 @@
-"""An API server: the public ``pagewire.v1.Generation`` service in front of the scheduler core.
+"""An API server: the public ``pagewire.v1.Generation`` service in front of the engine cores.
 
 Several API-server processes can listen on one address (SO_REUSEPORT: the kernel spreads the
 connections). Each validates requests, tokenizes prompts and renders chat templates without
-stalling its event loop (``OffloadedTokenizer``), sends them to the core over one ``Connect``
-session (its frame link carries the messages both ways), and turns the core's per-step token
-arrays into each client's stream: incremental text, stop strings (a stop ends the request in the
-core), ``--stream-interval``. ``GetStats`` and ``GetModelInfo`` answer from the core's figures.
-Health is SERVING only while the link to the core and the core's link to the worker are both up.
+stalling its event loop (``OffloadedTokenizer``), picks an engine core for each request
+(``router.py``; one core unless ``--data-parallel-size``/``--data-parallel-cores``), sends it over
+that core's ``Connect`` session (``core_link.py``), and turns the core's per-step token arrays into
+each client's stream: incremental text, stop strings (a stop ends the request in the core),
+``--stream-interval``. ``GetStats`` sums the cores' figures, ``GetLoads`` lists them per core.
+Health is SERVING while some core's link and that core's link to its worker are both up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import time
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagewire_common import step_profile, wire
+from kvcache.allocator import prefix_block_hashes
+from pagewire_common import wire
 from pagewire_common.addresses import add_port
-from pagewire_common.core_messages import CoreOutputs, CoreRequests, NewRequest, first_request_id
-from pagewire_common.eventloop import Outbox
-from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
+from pagewire_common.kv_events import KVEventBatch
 from pagewire_common.requests import FinishReason, TextDelta
-from pagewire_common.settings import default_of
+from pagewire_common.settings import check_host_port, default_of
 from pagewire_common.tls import TlsFiles
-from pagewire_common.v1 import core_pb2, core_pb2_grpc, generation_pb2_grpc
+from pagewire_common.v1 import core_pb2, generation_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.api.auth import ApiKeyInterceptor
-from scheduler_svc.api.request import (
-    ApiRequest,
-    Failure,
-    NotReadyError,
-    RequestError,
-    open_request,
-)
+from scheduler_svc.api.core_link import CoreLink
 from scheduler_svc.api.kv_events import KVEventHub
-from scheduler_svc.api.text_stream import OutputProcessor
+from scheduler_svc.api.request import Failure, NotReadyError, RequestError, open_request
+from scheduler_svc.api.router import NoCoreError, Router
 from scheduler_svc.api.tokenize import detokenize, tokenize
 from scheduler_svc.api.tokenizer import OffloadedTokenizer, Tokenizer
 
@@ -48,7 +41,6 @@ log = logging.getLogger("pagewire.api")
 
 SERVICE_NAME = "pagewire.v1.Generation"
 _FINISH = {None: pb.UNSPECIFIED, FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH}
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,73 +50,52 @@ class ServedModel:
     info: core_pb2.CoreInfoResponse
     tokenizer: Tokenizer | None
     offloaded: OffloadedTokenizer | None
-
-
-class _Pending:
-    """A request (sample) in flight: where its deltas go, and the request they belong to."""
-
-    __slots__ = ("outbox", "request", "n")
-
-    def __init__(self, outbox: Outbox, request: ApiRequest | None, n: int):
-        self.outbox = outbox
-        self.request = request
-        self.n = n  # the request's number of samples
+    files: dict | None = None  # the tokenizer's files, to tell another core's model apart
 
 
 class ApiServer:
-    """The state of one API-server process: its link to the core and its requests in flight."""
+    """The state of one API-server process: a link to each engine core (``CoreLink``), the router
+    that picks one for each request, the served model, and the KV-event streams."""
 
-    def __init__(self, core_address: str, stream_interval: int = default_of("stream_interval"), on_health=None,
-                 metrics=None):
-        self.core_address = core_address
+    def __init__(self, core_addresses: str | list[str], stream_interval: int = default_of("stream_interval"),
+                 on_health=None, metrics=None, routing: str = default_of("data_parallel_routing"),
+                 balance_threshold: int = default_of("data_parallel_balance_threshold")):
+        addresses = split_core_addresses(core_addresses) if isinstance(core_addresses, str) else list(core_addresses)
         self.metrics = metrics  # RequestMetrics, or None
         self.stream_interval = stream_interval
         self._on_health = on_health or (lambda serving: None)
-        self._channel = grpc.aio.insecure_channel(core_address, options=CHANNEL_OPTIONS)
-        self._stub = core_pb2_grpc.SchedulerCoreStub(self._channel)
-        self._session: LinkSession | None = None
-        # request ids: this server's id from the core (in the high half), then a counter
-        self._request_ids = itertools.count(first_request_id(0))
-        self.pending: dict[int, _Pending] = {}  # request id (one per sample) -> where its deltas go
-        self.output = OutputProcessor(None, stream_interval)  # their text streams
+        self.router = Router(len(addresses), routing, balance_threshold)
+        self.links = [CoreLink(self, i, address) for i, address in enumerate(addresses)]
         self.model: ServedModel | None = None
-        self.core_connected = False
-        self.worker_connected = False
-        self.worker_generation = 0
-        self.connected = asyncio.Event()  # core link up, worker up, model known
-        self._out = CoreRequests()  # queued for the core until the next turn of the loop
-        # the public Abort: what each name sent to the core waits on (the core replies in order)
-        self._abort_waiters: dict[str, list[asyncio.Future]] = {}
-        self._flush_wanted = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self._stopping = False
+        self.connected = asyncio.Event()  # some core is up with its worker, and the model is known
         self.draining = False  # shutting down: new requests are refused on every door
-        self._said_ready = False
-        # core messages with tokens: dispatched to their streams, taken by every stream, told to the core
-        self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
-        self._num_undelivered = 0  # streams with something put on their outbox and not yet taken
         self.kv_events = KVEventHub(self._kv_subscribers_changed)  # SubscribeKVEvents streams
-        self._handed_on_ns = 0  # profiling: when the last message's deltas were handed on, until all are taken
+
+    @property
+    def num_cores(self) -> int:
+        return len(self.links)
+
+    @property
+    def core_address(self) -> str:
+        return ",".join(link.core_address for link in self.links)
+
+    @property
+    def core_connected(self) -> bool:
+        return any(link.core_connected for link in self.links)
+
+    @property
+    def num_pending(self) -> int:
+        """Requests (samples) in flight on every core."""
+        return sum(len(link.pending) for link in self.links)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run(), name="pagewire-core-link"),
-                       loop.create_task(self._write_loop(), name="pagewire-core-writer")]
+        for link in self.links:
+            link.start()
 
     async def stop(self) -> None:
-        self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
-        if self._session is not None:
-            self._session.close()
-        await self._channel.close()
+        await asyncio.gather(*(link.stop() for link in self.links))
         if self.model is not None and self.model.offloaded is not None:
             self.model.offloaded.close()
 
@@ -132,175 +103,39 @@ class ApiServer:
     def is_serving(self) -> bool:
         return self.connected.is_set()
 
-    async def stats(self) -> pb.Stats:
-        self.flush()  # rejections counted here reach the core first
-        return await self._stub.CoreStats(pb.StatsRequest(), timeout=5)
+    # ---- the cores -----------------------------------------------------------------------------
 
-    # ---- requests ------------------------------------------------------------------------------
+    async def adopt_model(self, link: CoreLink) -> ServedModel | None:
+        """The served model for a core whose worker is up (``link.info``): the one the other cores
+        serve, or a new one when no other core serves any; None when the core serves another
+        model than the others (it takes no requests)."""
+        info = link.info
+        files = dict(info.tokenizer_files) if "tokenizer.json" in info.tokenizer_files else None
+        old = self.model
+        if old is not None and old.info.model_name == info.model_name and old.files == files:
+            if old.info is not info and not any(o.is_serving for o in self.links if o is not link):
+                self.model = ServedModel(info, old.tokenizer, old.offloaded, files)  # same model, maybe new limits
+            return self.model
+        if old is not None and any(o.is_serving for o in self.links if o is not link):
+            log.error("engine core %d (%s) serves %r, the others %r: it takes no requests", link.index,
+                      link.core_address, info.model_name, old.info.model_name)
+            return None
+        tokenizer = Tokenizer.from_files(files) if files is not None else None
+        if old is not None and old.offloaded is not None:
+            old.offloaded.close()
+        offloaded = None
+        if tokenizer is not None:
+            offloaded = OffloadedTokenizer(tokenizer)
+            # start its helper process now, not at the first big prompt
+            await asyncio.get_running_loop().run_in_executor(None, offloaded.warm_up)
+        self.model = ServedModel(info, tokenizer, offloaded, files)
+        if self.metrics is not None:
+            self.metrics.set_model_name(info.model_name)
+        return self.model
 
-    def _kv_subscribers_changed(self, any_left: bool) -> None:
-        """The first SubscribeKVEvents stream came or the last one left: the core records and sends
-        KV events while some API server has one."""
-        self._out.kv_events = any_left
-        self._flush_wanted.set()
-
-    def reject(self) -> None:
-        """Count a request this server refused (the core's Stats report it)."""
-        self._out.num_rejected += 1
-        self._flush_wanted.set()
-
-    def submit(self, name: str, token_ids: list[int], sampling, outbox: Outbox,
-               request: ApiRequest | None = None) -> int:
-        """Hand a request to the core; returns its id (``name`` is what the client calls it)."""
-        if not self.connected.is_set():
-            raise NotReadyError("the worker is not connected" if self.core_connected else "the scheduler core is not connected")
-        request_id = next(self._request_ids)
-        # n > 1: the samples are the n consecutive ids from this one, each with its own stream
-        for _ in range(1, sampling.n):
-            next(self._request_ids)
-        self.output.add(request_id, name, token_ids, sampling)
-        for index in range(sampling.n):
-            self.pending[request_id + index] = _Pending(outbox, request, sampling.n)
-        self._out.adds.append(NewRequest(request_id, token_ids, sampling, name))
-        self._flush_wanted.set()
-        return request_id
-
-    def abort(self, request_id: int) -> None:
-        """The client went away (cancelled, deadline): the core frees the request's blocks."""
-        if self.pending.pop(request_id, None) is not None:
-            self.output.remove(request_id)
-            self._out.abort_ids.append(request_id)
-            self._flush_wanted.set()
-
-    def flush(self) -> None:
-        """Send what is queued for the core now."""
-        if self._session is None or not self._has_queued():
-            return
-        try:
-            self._write_one()
-        except LinkClosed as e:
-            # the session is broken: end it, so the reader fails what is in flight and reconnects
-            log.warning("write to the scheduler core failed: %s", e)
-            self._session.close()
-
-    def abort_named(self, name: str) -> asyncio.Future:
-        """The public Abort: the core ends the request running under ``name`` (the client's
-        request_id), whichever API server streams it; the future says whether one was running."""
-        if not self.core_connected:
-            raise NotReadyError("the scheduler core is not connected")
-        future = asyncio.get_running_loop().create_future()
-        self._abort_waiters.setdefault(name, []).append(future)
-        self._out.abort_names.append(name)
-        self._flush_wanted.set()
-        return future
-
-    def _has_queued(self) -> bool:
-        out = self._out
-        return bool(out.adds or out.abort_ids or out.stop_ids or out.abort_names or out.num_rejected or out.ready
-                    or self._num_outputs_done != self._num_outputs_acked or out.kv_events is not None)
-
-    async def _write_loop(self) -> None:
-        # everything queued during one turn of the loop (adds, aborts, stops, the acknowledgement)
-        # goes to the core as one message
-        while True:
-            await self._flush_wanted.wait()
-            self._flush_wanted.clear()
-            self.flush()
-
-    def _write_one(self) -> None:
-        msg, self._out = self._out, CoreRequests()
-        msg.num_outputs_done = self._num_outputs_acked = self._num_outputs_done
-        self._session.write(msg.to_bytes())
-
-    # ---- the link to the core ------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        backoff = 0.2
-        while not self._stopping:
-            try:
-                await self._serve_link()
-                backoff = 0.2
-            except asyncio.CancelledError:
-                raise
-            except (grpc.RpcError, LinkClosed) as e:
-                log.debug("core link: %s", e)
-            except Exception:
-                log.exception("core link failed")
-            self._link_lost("the scheduler core is unavailable")
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
-
-    async def _serve_link(self) -> None:
-        info = await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=5, wait_for_ready=True)
-        self._session = await LinkSession.open(self.core_address, info.frame_link, self._stub.Connect)
-        self._said_ready = False
-        self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
-        self.core_connected = True
-        log.info("connected to the scheduler core at %s", self.core_address)
-        if self.kv_events.has_subscribers:  # subscribed while the link was coming up
-            self._kv_subscribers_changed(True)
-        while True:
-            data = await self._session.read()
-            with step_profile.phase("outputs decode"):
-                msg = CoreOutputs.from_bytes(data)
-            if msg.has_worker_state:
-                await self._worker_state(msg)
-            self.dispatch(msg)
-            if msg.kv_events is not None:
-                self.kv_events.publish(msg.kv_events)
-            if msg.has_tokens:
-                self._num_outputs_dispatched += 1
-                if not self._num_undelivered:
-                    self.delivered()
-                step_profile.end_step(len(msg.request_ids))  # a step of the API server: a message with tokens
-
-    async def _worker_state(self, msg: CoreOutputs) -> None:
-        if msg.api_server_id:  # the session's first message: this server's ids from now on
-            self._request_ids = itertools.count(first_request_id(msg.api_server_id))
-        self.worker_connected = msg.worker_connected
-        if msg.worker_connected and (self.model is None or msg.worker_generation != self.worker_generation):
-            info = await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=10)
-            old = self.model
-            tokenizer = Tokenizer.from_files(dict(info.tokenizer_files)) if "tokenizer.json" in info.tokenizer_files else None
-            if old is not None and old.tokenizer is not None and tokenizer is not None and old.tokenizer.files == tokenizer.files:
-                self.model = ServedModel(info, old.tokenizer, old.offloaded)  # same model again: keep the helper
-            else:
-                if old is not None and old.offloaded is not None:
-                    old.offloaded.close()
-                offloaded = None
-                if tokenizer is not None:
-                    offloaded = OffloadedTokenizer(tokenizer)
-                    # start its helper process now, not at the first big prompt
-                    await asyncio.get_running_loop().run_in_executor(None, offloaded.warm_up)
-                self.model = ServedModel(info, tokenizer, offloaded)
-            self.output.tokenizer = self.model.tokenizer
-            if self.metrics is not None:
-                self.metrics.set_model_name(info.model_name)
-            self.worker_generation = msg.worker_generation
-        self._set_connected(self.worker_connected and self.model is not None)
-        if self.connected.is_set() and not self._said_ready:
-            self._said_ready = True
-            self._out.ready = True
-            self._flush_wanted.set()
-
-    def note_undelivered(self) -> None:
-        """A stream has something put on its outbox that its handler has not taken yet."""
-        self._num_undelivered += 1
-
-    def delivered(self) -> None:
-        """A stream took what was put on it; once none has anything waiting, every core message
-        dispatched so far is done."""
-        if self._num_undelivered > 0:
-            self._num_undelivered -= 1
-        if not self._num_undelivered and self._num_outputs_done != self._num_outputs_dispatched:
-            self._num_outputs_done = self._num_outputs_dispatched
-            self._flush_wanted.set()
-            profile = step_profile.active()
-            if self._handed_on_ns and profile is not None:  # the handlers' turns since the deltas were handed on
-                profile.add("handlers", time.perf_counter_ns() - self._handed_on_ns)
-            self._handed_on_ns = 0
-
-    def _set_connected(self, up: bool) -> None:
+    def link_changed(self, link: CoreLink) -> None:
+        """A core started or stopped taking requests."""
+        up = any(o.is_serving for o in self.links)
         if up and not self.connected.is_set():
             self.connected.set()
             self._on_health(True)
@@ -308,68 +143,101 @@ class ApiServer:
             self.connected.clear()
             self._on_health(False)
 
-    def _link_lost(self, message: str) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
-        self.core_connected = False
-        self.worker_connected = False
-        self._set_connected(False)
-        self.kv_events.fail_all(grpc.StatusCode.UNAVAILABLE, message)  # the core's events are lost with it
-        self._out = CoreRequests()
-        pending, self.pending = self.pending, {}
-        self.output.streams.clear()
-        self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
-        self._handed_on_ns = 0
-        failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
-        for p in pending.values():
-            p.outbox.put_nowait(failure)
-        waiters, self._abort_waiters = self._abort_waiters, {}
-        for future in (f for futures in waiters.values() for f in futures):
-            if not future.done():
-                future.set_exception(NotReadyError(message))
+    def core_lost(self, link: CoreLink, message: str) -> None:
+        """A core's session ended: it leaves the routing table, and the KV-event streams end (the
+        core's events are lost with it; a subscriber subscribes again)."""
+        self.router.clear(link.index)
+        self.kv_events.fail_all(grpc.StatusCode.UNAVAILABLE, message)
 
-    def dispatch(self, msg: CoreOutputs) -> None:
-        """Apply one step's outputs from the core to this server's streams. Step profile phases:
-        ``dispatch`` (errors, first tokens, text streams), ``hand on`` (the deltas onto their
-        streams' outboxes), and ``handlers``, from then until every stream woken took its part."""
-        pending = self.pending
-        with step_profile.phase("dispatch"):
-            for err in msg.errors:
-                p = pending.pop(err.request_id, None)
-                if p is not None:
-                    p.outbox.put_nowait(Failure(_CODES.get(err.code, grpc.StatusCode.UNKNOWN), err.message))
-                    self.output.remove(err.request_id)
-                    # the request's other samples end with it (refused: they never ran; aborted:
-                    # the core sent one error per sample still running, the first one ends them all)
-                    first = p.request.id if p.request is not None else err.request_id
-                    for sample_id in range(first, first + p.n):
-                        if pending.pop(sample_id, None) is not None:
-                            self.output.remove(sample_id)
-            for reply in msg.abort_replies:
-                futures = self._abort_waiters.get(reply.name)
-                if futures:
-                    future = futures.pop(0)
-                    if not futures:
-                        del self._abort_waiters[reply.name]
-                    if not future.done():
-                        future.set_result(reply.found)
-            for request_id in msg.started_ids:
-                p = pending.get(request_id)
-                if p is not None and p.request is not None:
-                    p.request.started()
-            ready, stopped = self.output.apply(msg)
-        with step_profile.phase("hand on"):
-            for request_id, delta in ready:
-                p = pending[request_id]
-                p.outbox.put_nowait(delta)
-                if delta.finished:
-                    del pending[request_id]
-            if stopped:
-                self._out.stop_ids.extend(stopped)
-                self._flush_wanted.set()
-        if ready and step_profile.active() is not None:
-            self._handed_on_ns = time.perf_counter_ns()
+    def core_kv_events(self, core: int, batch: KVEventBatch) -> None:
+        if self.router.uses_kv_events:
+            self.router.apply_events(core, batch.events)
+        self.kv_events.publish(batch)
+
+    @property
+    def wants_kv_events(self) -> bool:
+        return self.kv_events.has_subscribers or self.router.uses_kv_events
+
+    def _kv_subscribers_changed(self, any_left: bool) -> None:
+        """The first SubscribeKVEvents stream came or the last one left: the cores record and send
+        KV events while some API server has one (or routes by them)."""
+        for link in self.links:
+            link.want_kv_events(any_left or self.router.uses_kv_events)
+
+    def route(self, token_ids: list[int]) -> CoreLink:
+        """The core that takes a request with this prompt (``router.py`` has the rules)."""
+        if self.num_cores == 1:
+            return self.links[0]
+        hashes = prefix_block_hashes(token_ids, self.model.info.block_size) if self.router.uses_kv_events else []
+        loads = [link.load if link.is_serving else None for link in self.links]
+        try:
+            return self.links[self.router.pick(hashes, loads)]
+        except NoCoreError as e:
+            raise NotReadyError(str(e)) from None
+
+    # ---- what every core answers -----------------------------------------------------------------
+
+    def reject(self) -> None:
+        """Count a request this server refused (in the first connected core's Stats)."""
+        for link in self.links:
+            if link.core_connected:
+                link.reject()
+                return
+
+    async def core_stats(self) -> list[tuple[int, pb.Stats]]:
+        """(core index, Stats) of every core whose link is up; ``NotReadyError`` when none is."""
+        links = [link for link in self.links if link.core_connected] or self.links[:1]
+        if self.num_cores > 1 and not any(link.core_connected for link in self.links):
+            raise NotReadyError("no engine core is connected")
+        results = await asyncio.gather(*(link.stats() for link in links), return_exceptions=True)
+        stats = [(link.index, r) for link, r in zip(links, results) if not isinstance(r, BaseException)]
+        if not stats:
+            error = results[0]
+            raise error if isinstance(error, grpc.RpcError) else NotReadyError(str(error))
+        return stats
+
+    async def stats(self) -> pb.Stats:
+        """The cores' Stats summed (counts and counters add up; the worker is connected when every
+        core's is)."""
+        per_core = await self.core_stats()
+        total = pb.Stats()
+        for _, stats in per_core:
+            for field in _SUMMED_STATS:
+                setattr(total, field, getattr(total, field) + getattr(stats, field))
+        total.worker_connected = len(per_core) == self.num_cores and all(s.worker_connected for _, s in per_core)
+        return total
+
+    async def abort_named(self, name: str) -> bool:
+        """The public Abort: every core ends the request running under ``name`` (the client's
+        request_id), whichever API server streams it; True when one ran."""
+        futures = [link.abort_named(name) for link in self.links if link.core_connected]
+        if not futures:
+            raise NotReadyError("the scheduler core is not connected")
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        if any(r is True for r in results):
+            return True
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and len(errors) == len(results):
+            raise errors[0]
+        return False
+
+
+def split_core_addresses(text: str) -> list[str]:
+    """``ADDR[,ADDR...]`` (host:port or unix:PATH each) -> the list; ``ValueError`` naming a bad one."""
+    addresses = [a.strip() for a in text.split(",")]
+    for address in addresses:
+        if address.startswith("unix:"):
+            if len(address) > len("unix:"):
+                continue
+        elif check_host_port(address) is None:
+            continue
+        raise ValueError(f"bad engine core address {address!r} in {text!r}: host:port or unix:PATH")
+    return addresses
+
+
+_SUMMED_STATS = ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_requests_finished",
+                 "num_requests_aborted", "num_requests_rejected", "num_cached_blocks", "num_steps", "num_preemptions",
+                 "num_prefix_cache_queried_tokens", "num_prefix_cache_hit_tokens")
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -417,6 +285,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return await self.api.stats()
         except grpc.RpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler core is unavailable: {e.details()}")
+        except NotReadyError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Abort(self, request: pb.AbortRequest, context):
         # through the core: the request may stream from another API server on this port
@@ -445,11 +315,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.DetokenizeResponse(text=text)
 
     async def GetLoads(self, request, context):
+        # the cores that answer, each by its index in this API server's list (a core that is down is left out)
         try:
-            stats = await self.api.stats()
+            per_core = await self.api.core_stats()
         except grpc.RpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler core is unavailable: {e.details()}")
-        return pb.Loads(cores=[core_load(0, stats)])  # one core today; each would answer its own Stats
+        except NotReadyError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.Loads(cores=[core_load(core, stats) for core, stats in per_core])
 
     # ---- one request ------------------------------------------------------------------------
 

@@ -41,13 +41,21 @@ def api_server_argv(core_address: str, listen: str, settings: Settings, log_leve
             "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((API, PUBLIC))]
 
 
-async def run_scheduler(worker_address: str, listen: str, settings: Settings, *, core_listen: str | None = None,
+async def run_scheduler(worker_address: str, listen: str | None, settings: Settings, *, core_listen: str | None = None,
                         log_level: str = "info", stop_event: asyncio.Event | None = None) -> int:
-    """The core process: serve until SIGINT/SIGTERM (or ``stop_event``), then drain and stop."""
-    listen = check_address_free(listen, wait_s=5.0)
-    if settings.http_listen != "off":
-        settings = settings.replace(http_listen=check_address_free(settings.http_listen, wait_s=5.0))
-    TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)  # a bad file stops us here, not each API server
+    """The core process: serve until SIGINT/SIGTERM (or ``stop_event``), then drain and stop.
+    ``listen`` None: the core only, on ``core_listen``, with no API servers of its own (those of
+    ``serve --data-parallel-size`` or of another machine connect to it)."""
+    num_api_servers = settings.api_servers if listen is not None else 0
+    if listen is None:
+        if core_listen is None:
+            raise ValueError("a core without API servers (--core-only) needs --core-listen, the address they connect to")
+        listen = "(none)"
+    else:
+        listen = check_address_free(listen, wait_s=5.0)
+        if settings.http_listen != "off":
+            settings = settings.replace(http_listen=check_address_free(settings.http_listen, wait_s=5.0))
+        TlsFiles.load(settings.tls_cert_file, settings.tls_key_file)  # a bad file stops us here, not each API server
     step_profile.configure("core", settings.profile_steps)
     loop = asyncio.get_running_loop()
     if core_listen is not None:
@@ -102,13 +110,13 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
     failed: list[str] = []
     supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()),
                             env={**os.environ, **settings.to_env((PUBLIC,))})
-    for i in range(settings.api_servers):
+    for i in range(num_api_servers):
         supervisor.start(f"API server {i + 1}", api_server_argv(core_listen, listen, settings, log_level))
     watcher = loop.create_task(supervisor.watch())
     try:
         # ready: the worker is connected and every API server said it is ready
         # (woken by the change itself, not by a poll)
-        while not stop.is_set() and not (core.connected.is_set() and core.num_ready_clients >= settings.api_servers):
+        while not stop.is_set() and not (core.connected.is_set() and core.num_ready_clients >= num_api_servers):
             core.readiness_changed.clear()
             waits = {loop.create_task(core.readiness_changed.wait()), loop.create_task(stop.wait())}
             _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -119,8 +127,12 @@ async def run_scheduler(worker_address: str, listen: str, settings: Settings, *,
                 supervisor.mark_ready(name)
             gc.collect()
             gc.freeze()  # what exists now lives as long as the process: keep it out of full collections
-            log.info("scheduler ready on %s%s with %d API server(s), worker %s: %s", listen,
-                     http_url(settings.http_listen), settings.api_servers, worker_address, core.worker_info.model_name)
+            if num_api_servers:
+                log.info("scheduler ready on %s%s with %d API server(s), worker %s: %s", listen,
+                         http_url(settings.http_listen), num_api_servers, worker_address, core.worker_info.model_name)
+            else:
+                log.info("engine core ready on %s, worker %s: %s", core_listen, worker_address,
+                         core.worker_info.model_name)
             core.scheduler_ready = True  # CoreInfo says so from now on (serve waits for it)
         await stop.wait()
         log.info("shutting down: no new requests, letting running ones finish")

@@ -48,8 +48,9 @@ def _runner_config(settings: Settings, rank: int):
 
     config = RunnerConfig.from_settings(settings)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda":  # one GPU per rank
-        device = f"cuda:{rank % torch.cuda.device_count()}"
+    if device == "cuda" or device.startswith("cuda:"):  # one GPU per rank, from the one named (cuda:K: K, K+1, ...)
+        first = int(device.partition(":")[2] or 0)
+        device = f"cuda:{(first + rank) % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
     return dataclasses.replace(config, device=device)
 

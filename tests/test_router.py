@@ -1,0 +1,110 @@
+"""The API servers' routing rule (``scheduler_svc/api/router.py``): exact picks for each policy,
+the balance threshold, the index fed by KV events, and cores that are down."""
+
+import pytest
+
+from kvcache.allocator import BlockAllocator, prefix_block_hashes
+from pagewire_common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from scheduler_svc.api.router import NoCoreError, Router
+
+BLOCK = 4
+
+
+def stored(hashes):
+    return BlockStored(list(hashes), None, [0] * BLOCK * len(hashes), BLOCK)
+
+
+def test_prefix_hashes_are_the_allocators():
+    """The router hashes a prompt as the allocator registers it: a sequence's stored-block events
+    carry exactly ``prefix_block_hashes`` of its tokens (full blocks only)."""
+    allocator = BlockAllocator(16, BLOCK, True)
+    allocator.record_kv_events(True)
+    tokens = list(range(100, 111))  # 2 full blocks and 3 tokens
+    allocator.allocate(1, tokens)
+    allocator.cache_blocks(1, tokens, len(tokens))
+    (event,) = allocator.take_kv_events()
+    assert event.block_hashes == prefix_block_hashes(tokens, BLOCK)
+    assert len(prefix_block_hashes(tokens, BLOCK)) == 2
+    assert prefix_block_hashes(tokens[:3], BLOCK) == []
+    assert prefix_block_hashes(tokens[:8], BLOCK) == prefix_block_hashes(tokens, BLOCK)
+    allocator.check_integrity()
+
+
+def test_cache_aware_picks_the_longest_cached_prefix():
+    router = Router(3, "cache-aware", balance_threshold=4)
+    router.apply_events(0, [stored([1])])
+    router.apply_events(2, [stored([1, 2, 3])])
+    assert router.matched_blocks(0, [1, 2, 3, 4]) == 1
+    assert router.matched_blocks(2, [1, 2, 3, 4]) == 3
+    assert router.matched_blocks(1, [1, 2, 3, 4]) == 0
+    assert router.pick([1, 2, 3, 4], [0, 0, 3]) == 2
+    # a hole breaks the run: only leading blocks count
+    assert router.matched_blocks(2, [9, 2, 3]) == 0
+
+
+def test_cache_aware_ties_go_to_the_less_loaded_then_the_lower_index():
+    router = Router(3, "cache-aware", balance_threshold=8)
+    for core in range(3):
+        router.apply_events(core, [stored([5, 6])])
+    assert router.pick([5, 6], [4, 2, 2]) == 1
+    assert router.pick([5, 6], [1, 2, 2]) == 0
+
+
+def test_balance_threshold_sends_to_the_least_loaded():
+    """The core with the prefix keeps it while its load is at most ``threshold`` above the least
+    loaded core's, and loses it beyond."""
+    router = Router(2, "cache-aware", balance_threshold=4)
+    router.apply_events(1, [stored([7, 8])])
+    assert router.pick([7, 8], [0, 4]) == 1  # 4 above: still within
+    assert router.pick([7, 8], [0, 5]) == 0  # 5 above: the least loaded
+    # the routed prompt's hashes are entered for the core it went to
+    assert router.matched_blocks(0, [7, 8]) == 2
+
+
+def test_no_cached_prefix_goes_to_the_least_loaded_and_is_remembered():
+    router = Router(2, "cache-aware", balance_threshold=16)
+    assert router.pick([1, 2], [3, 1]) == 1
+    # before the core announces the blocks, the same prefix follows the first request
+    assert router.pick([1, 2, 3], [3, 2]) == 1
+    assert router.pick([4], [0, 0]) == 0  # a new prefix with equal loads: in turn after core 1
+
+
+def test_kv_events_add_remove_and_clear():
+    router = Router(2, "cache-aware")
+    router.apply_events(0, [stored([1, 2, 3]), BlockRemoved([2])])
+    assert router.matched_blocks(0, [1, 2, 3]) == 1
+    router.apply_events(1, [stored([1, 2])])
+    router.apply_events(0, [AllBlocksCleared()])
+    assert router.num_indexed(0) == 0 and router.num_indexed(1) == 2
+    router.apply_events(1, [stored([4])])
+    router.clear(1)  # the core is gone
+    assert router.num_indexed(1) == 0 and router.matched_blocks(1, [1, 2]) == 0
+    assert router._cores_of == {}  # nothing left behind for cores that hold nothing
+
+
+def test_round_robin_in_turn_skipping_cores_that_are_down():
+    router = Router(3, "round-robin")
+    assert [router.pick([], [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+    assert [router.pick([], [0, None, 9]) for _ in range(3)] == [2, 0, 2]
+
+
+def test_least_loaded_with_ties_in_turn():
+    router = Router(3, "least-loaded")
+    assert router.pick([], [2, 1, 3]) == 1
+    assert [router.pick([], [0, 0, 0]) for _ in range(3)] == [2, 0, 1]
+    assert router.pick([], [None, 5, 4]) == 2
+
+
+def test_cores_that_are_down_are_never_picked():
+    router = Router(2, "cache-aware")
+    router.apply_events(0, [stored([1, 2])])
+    assert router.pick([1, 2], [None, 7]) == 1
+    with pytest.raises(NoCoreError):
+        router.pick([1, 2], [None, None])
+
+
+def test_bad_policy_and_core_count():
+    with pytest.raises(ValueError, match="unknown routing 'random'"):
+        Router(2, "random")
+    with pytest.raises(ValueError, match="at least one core"):
+        Router(0)
