@@ -109,7 +109,7 @@ def write_kv(kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     Slots must be valid here; the Triton kernel (CUDA, or forced by PAGEWIRE_ATTENTION_BACKEND=triton)
     also skips negative slots, which padded (CUDA-graph) batches use for their padding tokens.
     """
-    if _use_triton(kv_layer):
+    if uses_triton(kv_layer):
         return _triton_kernels().write_kv(kv_layer, key, value, slot_mapping)
     num_kv_heads, head_dim = kv_layer.shape[-2], kv_layer.shape[-1]
     flat = kv_layer.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, Hkv, D]
@@ -124,7 +124,7 @@ def paged_attention(query: torch.Tensor, kv_layer: torch.Tensor, meta: Attention
     (registered by the worker, :func:`use_cpu_attention`) for float32/bfloat16 on CPU, the torch
     reference otherwise.
     """
-    if _use_triton(query):
+    if uses_triton(query):
         return _triton_kernels().paged_attention(query, kv_layer, meta, scale)
     cpu = _cpu_kernel_for(query.device, query.dtype, kv_layer.dtype)
     if cpu is not None:
@@ -167,7 +167,8 @@ def attention_backend() -> str:
     return backend
 
 
-def _use_triton(tensor: torch.Tensor) -> bool:
+def uses_triton(tensor: torch.Tensor) -> bool:
+    """Whether attention and the KV append over ``tensor``'s device run the Triton kernels."""
     backend = attention_backend()
     if backend == "auto":
         return tensor.is_cuda and _triton_kernels() is not None

@@ -15,7 +15,7 @@ Grid: (query block, kv head, key split).
     ``query_start_loc`` and exits when its local block is past the sequence's queries (at most S idle
     programs). Nothing is read back to the host. When every sequence fits in one query block (decode
     batches), program i simply is sequence i and the grid is S.
-  * Key splits (flash-decoding): with NUM_SPLITS > 1, each program walks only its share of the query
+  * Key splits (flash-decoding): with num_splits > 1, each program walks only its share of the query
     block's key tiles and writes an unnormalized partial (running max m, sum l, accumulator) to fp32
     scratch; a second kernel merges the splits of every (token, head). See ``choose_num_splits``.
 
@@ -111,12 +111,15 @@ def _kernel_config(decode_like: bool, group_pad: int, head_dim_pad: int, is_fp32
     return Tiles(block_m, block_n, num_warps, num_stages)
 
 
-@triton.jit
+# Integers that change from step to step are plain arguments that Triton must not specialize on (it
+# would compile a kernel for 1, for multiples of 16 and for the rest): a step of a new shape must not
+# wait for a compile. What does select a variant is a constexpr, and ``warm_up`` compiles them all.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
-    out_ptr,  # [T, H, D] (NUM_SPLITS == 1)
-    part_m_ptr,  # [T, H, NUM_SPLITS] fp32 running max (log2 domain) per split (NUM_SPLITS > 1)
-    part_l_ptr,  # [T, H, NUM_SPLITS] fp32 running sum
-    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32 unnormalized output
+    out_ptr,  # [T, H, D] (not SPLIT)
+    part_m_ptr,  # [T, H, num_splits] fp32 running max (log2 domain) per split (SPLIT)
+    part_l_ptr,  # [T, H, num_splits] fp32 running sum
+    part_acc_ptr,  # [T, H, num_splits, HEAD_DIM_PAD] fp32 unnormalized output
     q_ptr,  # [T, H, D]
     kv_ptr,  # [2, num_blocks, block_size, Hkv, D]
     block_tables_ptr,  # [S, max_blocks] int32
@@ -124,6 +127,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [S] int32
     qk_scale,  # softmax scale * log2(e)
     num_seqs,
+    num_splits,  # key partitions (1 unless SPLIT)
     num_heads,
     stride_qt,
     stride_qh,
@@ -142,7 +146,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # cache block size
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for the merge kernel
     ONE_BLOCK_PER_SEQ: tl.constexpr,  # max_query_len <= BLOCK_Q: query block i is sequence i, no search
     DOT_PRECISION: tl.constexpr,  # "tf32x3" for fp32 inputs (fp32-grade accuracy on tensor cores)
     DOT_UPCAST: tl.constexpr,  # feed tl.dot fp32 (only for bf16 under the interpreter, whose bf16 dot is broken)
@@ -192,10 +196,10 @@ def _paged_attention_kernel(
     if DOT_UPCAST:
         q = q.to(tl.float32)
 
-    # Keys visible to the block's last query, split evenly (in whole tiles) across NUM_SPLITS programs.
+    # Keys visible to the block's last query, split evenly (in whole tiles) across num_splits programs.
     kv_end = tl.minimum(ctx_len + (q_block_local + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -230,7 +234,7 @@ def _paged_attention_kernel(
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -238,7 +242,7 @@ def _paged_attention_kernel(
             mask=row_valid[:, None] & dim_valid[None, :],
         )
     else:
-        part = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        part = (token * num_heads + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(
@@ -248,26 +252,26 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,  # [T, H, D]
-    part_m_ptr,  # [T, H, NUM_SPLITS]
+    part_m_ptr,  # [T, H, num_splits]
     part_l_ptr,
-    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD]
+    part_acc_ptr,  # [T, H, num_splits, HEAD_DIM_PAD]
+    num_splits,
     num_heads,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # >= num_splits: the most splits there can be
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < NUM_SPLITS
+    split_valid = splits < num_splits
     dims = tl.arange(0, HEAD_DIM_PAD)
-    part = (token * num_heads + head) * NUM_SPLITS + splits  # [SPLITS_PAD]
+    part = (token * num_heads + head) * num_splits + splits  # [SPLITS_PAD]
     m = tl.load(part_m_ptr + part, mask=split_valid, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=split_valid, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_valid[:, None], other=0.0)
@@ -402,6 +406,7 @@ def paged_attention_triton(
         meta.seq_lens,
         scale * _LOG2E,
         num_seqs,
+        num_splits,
         num_heads,
         query.stride(0),
         query.stride(1),
@@ -420,7 +425,7 @@ def paged_attention_triton(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         ONE_BLOCK_PER_SEQ=plan.one_block_per_seq,
         DOT_PRECISION="tf32x3" if query.dtype == torch.float32 else "tf32",
         DOT_UPCAST=interpreted and query.dtype == torch.bfloat16,
@@ -433,16 +438,52 @@ def paged_attention_triton(
             part_m,
             part_l,
             part_acc,
+            num_splits,
             num_heads,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=_next_pow2(num_splits),
+            SPLITS_PAD=_next_pow2(_MAX_SPLITS),
             num_warps=1 if head_dim_pad <= 64 else 2,
         )
     return out
 
 
-__all__ = ["LaunchPlan", "Tiles", "check_device", "choose_num_splits", "paged_attention_triton", "plan_launch"]
+def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+            device: torch.device) -> int:
+    """Compile every kernel variant a model of this shape can launch, so that no step waits for
+    Triton's compiler (hundreds of milliseconds each on a fresh machine): decodes, prefill chunks of
+    one query block and of several, each unsplit and split, and the wide key tiles of long GQA
+    decodes. One sequence of tiny dummy tensors per variant; the number of launches is returned."""
+    check_device(torch.device(device))
+    group_pad = _next_pow2(num_heads // num_kv_heads)
+    head_dim_pad = _next_pow2(max(head_dim, 16))
+    is_fp32 = dtype == torch.float32
+    prefill = _kernel_config(False, group_pad, head_dim_pad, is_fp32)
+    prefill_block_q = max(prefill.block_m, group_pad) // group_pad
+    decode = _kernel_config(True, group_pad, head_dim_pad, is_fp32)
+    wide = _wide_key_tiles(decode, True, group_pad, head_dim_pad, is_fp32, _WIDE_TILE_MIN_KEYS)
+    seq_len = prefill_block_q + 1 + 2 * max(decode.block_n, wide.block_n)  # room for 2 splits of whole tiles
+    num_blocks = -(-seq_len // block_size)
+    kv_layer = torch.zeros((2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    block_table = torch.arange(1, num_blocks + 1, dtype=torch.int32, device=device)[None, :]
+    launches = 0
+    variants = [(1, decode)] + ([(1, wide)] if wide != decode else []) + [(prefill_block_q, None), (prefill_block_q + 1, None)]
+    for q_len, tiles in variants:
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(q_len, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+            block_tables=block_table, max_query_len=q_len, max_seq_len=seq_len,
+            query_lens_cpu=[q_len], seq_lens_cpu=[seq_len],
+            logits_indices=torch.tensor([q_len - 1], dtype=torch.int64, device=device),
+        )
+        query = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
+        for num_splits in (1, 2):
+            paged_attention_triton(query, kv_layer, meta, head_dim**-0.5, num_splits=num_splits, tiles=tiles)
+            launches += 1
+    return launches
+
+
+__all__ = ["LaunchPlan", "Tiles", "check_device", "choose_num_splits", "paged_attention_triton", "plan_launch", "warm_up"]

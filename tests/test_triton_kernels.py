@@ -276,10 +276,10 @@ for dtype, group, head_dim, decode_like, splits in [("bf16", 3, 64, True, 3), ("
     group_pad = 1 << (group - 1).bit_length()
     block_m, block_n, num_warps, num_stages = _kernel_config(decode_like, group_pad, head_dim, dtype == "fp32")
     constexprs = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_m // group_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-                      HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, NUM_SPLITS=splits, ONE_BLOCK_PER_SEQ=decode_like,
+                      HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, SPLIT=splits > 1, ONE_BLOCK_PER_SEQ=decode_like,
                       DOT_PRECISION="tf32x3" if dtype == "fp32" else "tf32", DOT_UPCAST=False)
     results[f"attention-{dtype}"] = compile_kernel(_paged_attention_kernel, dtype, constexprs, num_warps, num_stages)
-results["merge"] = compile_kernel(_merge_splits_kernel, "bf16", dict(HEAD_DIM=64, HEAD_DIM_PAD=64, NUM_SPLITS=3, SPLITS_PAD=4), 1)
+results["merge"] = compile_kernel(_merge_splits_kernel, "bf16", dict(HEAD_DIM=64, HEAD_DIM_PAD=64, SPLITS_PAD=16), 1)
 results["append"] = compile_kernel(_write_kv_kernel, "bf16", dict(HEAD_DIM=64, HEAD_DIM_PAD=64, HEADS_PER_PROGRAM=4, BLOCK_SIZE=16), 1)
 print(json.dumps(results))
 """

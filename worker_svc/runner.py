@@ -21,7 +21,7 @@ from pagewire_common.settings import Settings, check_all, default_of
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.cpu.prepare import prepare_model
-from worker_svc.cuda_graphs import DecodeGraphs
+from worker_svc.cuda_graphs import DecodeGraphs, compile_attention_kernels
 from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
 from worker_svc.nvtx import nvtx_range
 from worker_svc.plan_state import SeqState, SequenceStates
@@ -200,6 +200,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, deterministic=config.deterministic)
         # only rank 0 adjusts logits and samples: the other ranks keep no adjustment state
         self.adjuster = LogitsAdjuster(mc.vocab_size, self.device, self._grammar_masks() if tp.is_first else None)
+        compile_attention_kernels(self.model, self.kv_cache)  # no step waits for Triton's compiler
         self.decode_graphs: DecodeGraphs | None = None
         # collectives are not captured in graphs: steps of several ranks run eagerly
         if self.device.type == "cuda" and config.cuda_graphs and tp.size == 1:
