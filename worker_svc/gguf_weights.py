@@ -18,13 +18,20 @@ import logging
 import os
 import re
 import warnings
+from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from worker_svc.config import ModelConfig
-from worker_svc.cpu.quantized import QuantEmbedding, QuantLinear, QuantPart, block_type, pack_blocks
+from worker_svc.cpu.quantized import (
+    QuantEmbedding,
+    QuantLinear,
+    QuantPart,
+    block_type,
+    pack_blocks,
+)
 from worker_svc.layers import RotaryEmbedding
 from worker_svc.models import _SkipInit, get_model_class
 
@@ -59,7 +66,7 @@ class GGUFFile:
     gguf.GGUFReader reads the same, but builds a numpy view per element of every metadata array
     (the vocabulary and merges: seconds per start); this reads past them."""
 
-    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    _SCALARS: ClassVar[dict[int, str]] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
     def __init__(self, path: str | os.PathLike):
         import struct
@@ -268,7 +275,7 @@ def load_gguf_model(gguf_path: str | os.PathLike, config: ModelConfig, dtype: to
 
 def _hf_name(gguf_name: str) -> str:
     layer, kind, param = re.match(r"blk\.(\d+)\.(\w+)\.(weight|bias)$", gguf_name).groups()
-    module, shard = _LINEARS[kind]
+    module = _LINEARS[kind][0]
     hf_leaf = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj"}.get(kind)
     if hf_leaf is None:
         hf_leaf = {"attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}[kind]

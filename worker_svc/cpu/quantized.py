@@ -132,11 +132,11 @@ def dequantize_ref(packed: torch.Tensor, btype: BlockType, n: int, k: int) -> to
 
 
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n, k] (k a multiple of 32) -> Q8_0 blocks uint8 [n, k / 32 * 34], as llama.cpp
-    makes them: d = max |w| / 127 per block (stored fp16), q = round(w / d)."""
+    """weight [n, k] (k a multiple of 32) -> Q8_0 blocks uint8 [n, k / 32 * 34]: d = max |w| / 127
+    per block, rounded to fp16 (as stored), q = round(w / d): each weight within d / 2."""
     n, k = weight.shape
     blocks = weight.detach().float().reshape(n, k // QK, QK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = torch.round(blocks * inv).clamp_(-128, 127).to(torch.int8)
     return torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(n, -1)

@@ -1,0 +1,206 @@
+"""Quantized weights on CPU (``worker_svc/cpu/quantized.py``, ``csrc/quant.c``, ``gguf_weights.py``):
+the kernel against the torch dequantization for Q4_0, Q4_1 and Q8_0, a tiny Llama written as a
+GGUF file served from its blocks against the same model dequantized to fp32 (greedy token-exact,
+resident bytes), ``--quantization int8``, and the errors for what is not served."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pagewire import LLM
+from pagewire_common.sampling import SamplingParams
+from tests.tiny_models import sample_prompts
+from worker_svc.config import ModelConfig
+from worker_svc.cpu import quantized as Q
+from worker_svc.weights import GGUF_SOURCE_FILE, iter_weights, load_model
+
+GGML = gguf.GGMLQuantizationType
+TYPES = [(Q.Q4_0, GGML.Q4_0), (Q.Q4_1, GGML.Q4_1), (Q.Q8_0, GGML.Q8_0)]
+
+
+def quantized_blocks(weight: torch.Tensor, qtype) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.quantize(weight.numpy(), qtype))
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = Q.kernel()
+    if lib is None:
+        pytest.skip("no C compiler")
+    return lib
+
+
+@pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
+@pytest.mark.parametrize("n,k", [(37, 64), (200, 96), (64, 576)])
+def test_kernel_matches_the_torch_dequantization(lib, btype, qtype, n, k):
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k)
+    blocks = quantized_blocks(weight, qtype)
+    packed = Q.pack_blocks(blocks, btype, n, k)
+    assert torch.equal(packed, Q.pack_blocks_ref(blocks, btype, n, k))
+    assert packed.numel() == Q.padded_columns(n) * k // 32 * btype.block_bytes  # the file's bytes, padded columns
+    dense = Q.dequantize_ref(packed, btype, n, k)
+    assert torch.equal(dense, torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype)).reshape(n, k))
+    bias = torch.randn(n)
+    for m in (1, 3, 8, 9, 33):
+        x = torch.randn(m, k)
+        y = lib.linear(x, packed, btype, n, bias)
+        reference = (x.double() @ dense.double().T + bias.double()).float()
+        torch.testing.assert_close(y, reference, atol=1e-4 * k**0.5, rtol=1e-4)
+        # a row's result does not depend on how many rows come with it
+        assert torch.equal(lib.linear(x[-1:], packed, btype, n, bias)[0], y[-1])
+    ids = torch.tensor([0, n - 1, 5, 5])
+    assert torch.equal(lib.rows(packed, btype, ids, n, k), dense[ids])
+
+
+def test_int8_quantization_round_trips_within_half_a_step(lib):
+    weight = torch.randn(50, 64)
+    blocks = Q.quantize_q8_0(weight)
+    dense = Q.dequantize_ref(Q.pack_blocks(blocks, Q.Q8_0, 50, 64), Q.Q8_0, 50, 64)
+    step = (weight.reshape(50, 2, 32).abs().amax(-1, keepdim=True) / 127).half().float()  # d as stored
+    assert ((dense - weight).reshape(50, 2, 32).abs() <= step * 0.501).all()
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (``LlamaModel.permute``)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "gate_proj": "ffn_gate",
+          "up_proj": "ffn_up", "down_proj": "ffn_down", "input_layernorm": "attn_norm",
+          "post_attention_layernorm": "ffn_norm"}
+
+
+def write_gguf_model(source_dir, out_dir, *, tied: bool, types: dict[str, GGML]) -> tuple:
+    """A model directory as ``weights.resolve_model_path`` converts a GGUF file: config, tokenizer,
+    the dequantized fp32 weights, and ``gguf_source.json`` naming the file, here ``model.gguf``
+    written from ``source_dir``'s weights quantized to ``types`` (by our linear name; Q8_0 for the
+    rest) with q/k rows permuted as llama.cpp writes them."""
+    out_dir.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source_dir / name, out_dir / name)
+    config_json = json.loads((out_dir / "config.json").read_text())
+    config_json["tie_word_embeddings"] = tied
+    (out_dir / "config.json").write_text(json.dumps(config_json))
+    config = ModelConfig.from_pretrained(out_dir)
+    writer = gguf.GGUFWriter(str(out_dir / "model.gguf"), "llama")
+    dequantized = {}
+    for name, tensor in iter_weights(source_dir):
+        if name == "lm_head.weight" and tied:
+            continue
+        rows = tensor.float().numpy()
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            gguf_name, qtype = "token_embd.weight", GGML.Q8_0
+        elif name == "lm_head.weight":
+            gguf_name, qtype = "output.weight", GGML.Q8_0
+        elif name == "model.norm.weight":
+            gguf_name, qtype = "output_norm.weight", GGML.F32
+        else:
+            gguf_name, qtype = f"blk.{parts[2]}.{_NAMES[parts[-2]]}.{parts[-1]}", types.get(parts[-2], GGML.F32)
+            if rows.ndim == 1:
+                qtype = GGML.F32
+        if qtype == GGML.F32:
+            data, back = rows, rows
+        else:
+            data = gguf.quants.quantize(rows, qtype)
+            back = gguf.quants.dequantize(data, qtype).reshape(rows.shape)
+        dequantized[name] = torch.from_numpy(np.ascontiguousarray(back))
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(parts[-2])
+        if heads:
+            data = _permute(data, heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(data), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from safetensors.torch import save_file
+
+    save_file(dequantized, str(out_dir / "model.safetensors"))
+    stat = (out_dir / "model.gguf").stat()
+    (out_dir / GGUF_SOURCE_FILE).write_text(json.dumps(
+        {"path": str(out_dir / "model.gguf"), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}))
+    return out_dir, out_dir / "model.gguf"
+
+
+MIXED = {"q_proj": GGML.Q4_1, "k_proj": GGML.Q4_1, "v_proj": GGML.Q8_0, "o_proj": GGML.Q4_0, "gate_proj": GGML.Q4_1,
+         "up_proj": GGML.Q4_1, "down_proj": GGML.Q4_0}
+
+
+def greedy(model_dir, prompts, **settings) -> list[list[int]]:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", **settings) as llm:
+        return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiny_gguf_served_from_its_blocks_equals_its_fp32_dequantization(lib, tiny_model_dir, tmp_path, caplog, tied):
+    source = tiny_model_dir("llama-gqa")
+    model_dir, gguf_path = write_gguf_model(source, tmp_path / "converted", tied=tied, types=MIXED)
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        model, _ = load_model(model_dir, torch.float32, "cpu", gguf_weights="quantized")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Q.QuantLinear)}
+    qkv = linears["model.layers.0.self_attn.qkv_proj"]
+    assert [t.name for t in qkv.types] == ["Q4_1", "Q4_1", "Q8_0"]  # parts of different types side by side
+    assert isinstance(model.model.embed_tokens, Q.QuantEmbedding)
+    assert (model.packed_lm_head is model.model.embed_tokens.head) == tied  # tied: one table, both uses
+    # the blocks dequantize to the converted weights, q/k rows back in Hugging Face order
+    dense = dict(iter_weights(model_dir))
+    expected = torch.cat([dense[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(qkv.dequantized(), expected)
+    resident = Q.resident_weight_bytes(model)
+    assert resident <= 1.15 * gguf_path.stat().st_size
+    assert f"file {gguf_path.stat().st_size} bytes, resident {resident} bytes" in caplog.text
+
+    prompts = sample_prompts(source, n=4, lengths=(1, 9, 33, 77))
+    quantized = greedy(model_dir, prompts, gguf_weights="quantized")
+    assert quantized == greedy(model_dir, prompts, gguf_weights="dequantize")
+
+
+def test_int8_quantization_equals_its_dequantized_checkpoint(lib, tiny_model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    source = tiny_model_dir("llama-gqa")
+    reference_dir = tmp_path / "int8-dequantized"
+    shutil.copytree(source, reference_dir)
+    weights = {}
+    for name, tensor in iter_weights(source):
+        if tensor.dim() == 2 and name != "model.embed_tokens.weight":  # linears and the untied head
+            n, k = tensor.shape
+            tensor = Q.dequantize_ref(Q.pack_blocks(Q.quantize_q8_0(tensor), Q.Q8_0, n, k), Q.Q8_0, n, k)
+        weights[name] = tensor.float().contiguous()
+    save_file(weights, str(reference_dir / "model.safetensors"))
+    prompts = sample_prompts(source, n=3, lengths=(1, 17, 50))
+    assert greedy(source, prompts, quantization="int8") == greedy(reference_dir, prompts)
+
+
+def test_unsupported_block_type_is_named_and_auto_falls_back(lib, tiny_model_dir, tmp_path, caplog):
+    model_dir, gguf_path = write_gguf_model(tiny_model_dir("llama-gqa"), tmp_path / "converted", tied=False, types=MIXED)
+    # the file rewritten with a Q5_K tensor (one block of 256 weights, 176 bytes, per row): not served from blocks
+    writer = gguf.GGUFWriter(str(gguf_path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((64, 176), dtype=np.uint8), raw_dtype=GGML.Q5_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    stat = gguf_path.stat()
+    (model_dir / GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(gguf_path), "size": stat.st_size,
+                                                          "mtime_ns": stat.st_mtime_ns}))
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight is Q5_K.*supported block types: Q4_0, Q4_1, Q8_0"):
+        load_model(model_dir, torch.float32, "cpu", gguf_weights="quantized")
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        model, _ = load_model(model_dir, torch.float32, "cpu")  # auto: the dequantized copy
+    assert not any(isinstance(m, Q.QuantLinear) for m in model.modules())
+    assert "serving model.gguf dequantized" in caplog.text and "Q5_K" in caplog.text
+
+
+def test_quantization_needs_cpu_and_one_rank(tiny_model_dir):
+    with pytest.raises(ValueError, match="--quantization int8 runs on CPU with one rank"):
+        load_model(tiny_model_dir("llama-gqa"), torch.float32, "meta", quantization="int8")
