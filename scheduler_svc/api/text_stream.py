@@ -23,7 +23,7 @@ class TextStream:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "want_logprobs", "logprobs", "detokenizer",
         "detokenize_each_token", "num_streamed_tokens", "held_text", "finish_reason", "num_cached_prompt_tokens",
-        "stream_interval", "want_top_logprobs", "top_logprobs", "index", "n", "prompt_logprobs",
+        "stream_interval", "want_top_logprobs", "top_logprobs", "index", "n", "prompt_logprobs", "plain",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -53,6 +53,10 @@ class TextStream:
         self.num_cached_prompt_tokens = 0
         self.stream_interval = stream_interval
         self.prompt_logprobs: PromptLogprobs | None = None  # from the core, until the first delta takes them
+        # the common stream: each token goes out at once as a delta of its text and nothing else
+        # (``OutputProcessor.apply`` takes a shorter path for it)
+        self.plain = (self.detokenizer is not None and self.detokenizer.one_token_at_a_time and stream_interval == 1
+                      and not self.want_logprobs and not self.want_top_logprobs)
 
     @property
     def num_output_tokens(self) -> int:
@@ -160,7 +164,9 @@ class OutputProcessor:
                 stream.prompt_logprobs = prompt_logprobs
         touched: dict[int, TextStream] = {}
         stopped: list[int] = []
+        ready: list[tuple[int, TextDelta]] = []
         if len(outputs.request_ids):
+            finishing = set(outputs.finished_ids) if outputs.finished_ids else ()
             ids = outputs.request_ids.tolist()
             tokens = outputs.token_ids.tolist()
             logprobs = outputs.logprobs.tolist() if outputs.logprobs is not None else None
@@ -170,6 +176,15 @@ class OutputProcessor:
             for i, request_id in enumerate(ids):
                 stream = streams.get(request_id)
                 if stream is None:
+                    continue
+                if stream.plain and stream.prompt_logprobs is None and stream.finish_reason is None \
+                        and request_id not in finishing:
+                    # what add_token, ready and take do for it, without the generality
+                    token = tokens[i]
+                    stream.token_ids.append(token)
+                    stream.num_streamed_tokens += 1
+                    ready.append((request_id, TextDelta(stream.request_id, [token], stream.detokenizer.next_text(token),
+                                                        index=stream.index)))
                     continue
                 top = None
                 if top_ids is not None and stream.want_top_logprobs:
@@ -183,7 +198,6 @@ class OutputProcessor:
             if stream is not None:
                 stream.finish(reason)
                 touched[request_id] = stream
-        ready = []
         for request_id, stream in touched.items():
             if stream.ready():
                 ready.append((request_id, stream.take()))

@@ -157,7 +157,7 @@ class IncrementalDetokenizer:
     prefix_offset: int
     read_offset: int
     stop: tuple[str, ...] = ()
-    text: str = ""  # all output text decoded so far (stop string not cut yet)
+    text: str = ""  # output text decoded so far (stop string not cut yet); the byte path without stop strings keeps none
     num_emitted_chars: int = 0
     stopped: bool = False
     _utf8: codecs.IncrementalDecoder | None = field(default=None, repr=False)
@@ -176,6 +176,17 @@ class IncrementalDetokenizer:
             detok._stop_matcher = StopMatcher(stop_strings if stop_strings is not None else StopStrings(stop))
         return detok
 
+    @property
+    def one_token_at_a_time(self) -> bool:
+        """Whether ``next_text`` serves: the byte path, no stop strings."""
+        return self._utf8 is not None and self._stop_matcher is None
+
+    def next_text(self, token_id: int) -> str:
+        """``update`` of one more token (not the last) where ``one_token_at_a_time``: its bytes
+        through the UTF-8 decoder, no list or text kept."""
+        self.read_offset += 1
+        return self._utf8.decode(self.tokenizer.token_bytes[token_id])
+
     def update(self, token_ids: list[int], is_final: bool) -> str:
         """Feed the full token list after new tokens arrived; return the text to stream now."""
         if self.stopped:
@@ -184,6 +195,8 @@ class IncrementalDetokenizer:
             table = self.tokenizer.token_bytes
             new_bytes = b"".join([table[t] for t in token_ids[self.read_offset :]])
             self.read_offset = len(token_ids)
+            if self._stop_matcher is None:
+                return self._utf8.decode(new_bytes, final=is_final)
             self.text += self._utf8.decode(new_bytes, final=is_final)
         else:
             prefix_text = self.tokenizer.decode(token_ids[self.prefix_offset : self.read_offset])
