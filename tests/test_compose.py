@@ -17,6 +17,7 @@ from tests.service_utils import REPO, Proc, free_port, sampling, stub
 COMPOSE = REPO / "docker-compose.yml"
 COMPOSE_GPU = REPO / "docker-compose.gpu.yml"
 COMPOSE_TLS = REPO / "docker-compose.tls.yml"
+COMPOSE_DP = REPO / "docker-compose.dp.yml"
 SMOLLM2_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -73,13 +74,36 @@ def test_every_compose_command_is_a_valid_command_line():
 
     tls = compose(COMPOSE_TLS)["services"]["scheduler"]
     assert "./certs:/certs:ro" in tls["volumes"]
-    commands = [service["command"] for doc in (compose(), compose(COMPOSE_TLS)) for service in doc["services"].values()]
+    commands = [service["command"] for doc in (compose(), compose(COMPOSE_TLS), compose(COMPOSE_DP))
+                for service in doc["services"].values()]
     for command in commands:
         build_parser().parse_args(command)  # SystemExit on an unknown flag
     args = build_parser().parse_args(tls["command"])
     assert (args.tls_cert_file, args.tls_key_file) == ("/certs/server.crt", "/certs/server.key")
     check = tls["healthcheck"]["test"]
     assert check[check.index("--tls-ca-file") + 1] == args.tls_cert_file
+
+
+def test_data_parallel_compose_structure():
+    """Two engine cores (`pagewire core`), each healthy once its worker is connected, and an API
+    server that names both at the addresses they listen on; only the API server's ports are
+    published."""
+    services = compose(COMPOSE_DP)["services"]
+    cores = {name: services[name] for name in ("core-a", "core-b")}
+    api = services["api"]
+    listens = {}
+    for name, core in cores.items():
+        assert core["command"][0] == "core" and "ports" not in core and core["restart"] == "unless-stopped"
+        listens[name] = core["command"][core["command"].index("--listen") + 1].rsplit(":", 1)[1]
+        assert core["healthcheck"]["test"][-2:] == [f"127.0.0.1:{listens[name]}", "pagewire.v1.SchedulerCore"]
+        assert core["volumes"] == ["model-cache:/cache"]
+    assert api["command"][0] == "api-server" and api["restart"] == "unless-stopped"
+    named = api["command"][api["command"].index("--scheduler") + 1]
+    assert named == ",".join(f"{name}:{port}" for name, port in listens.items())
+    assert {name: dep["condition"] for name, dep in api["depends_on"].items()} == {
+        "core-a": "service_healthy", "core-b": "service_healthy"}
+    assert api["ports"] == ["${PAGEWIRE_PUBLISH:-127.0.0.1}:50051:50051", "${PAGEWIRE_PUBLISH:-127.0.0.1}:8000:8000"]
+    assert api["environment"] == {"PAGEWIRE_API_KEY": "${PAGEWIRE_API_KEY:-}"}
 
 
 def test_the_docker_build_context_holds_only_what_the_dockerfile_copies():
@@ -99,22 +123,22 @@ def test_docker_compose_config_validates():
         if os.environ.get("CI"):
             pytest.fail("docker-compose (Debian package) is missing in CI: .ci/run installs it")
         pytest.skip("docker-compose (Debian package) not installed: apt-get install docker-compose")
-    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU], [COMPOSE, COMPOSE_TLS]):
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU], [COMPOSE, COMPOSE_TLS], [COMPOSE_DP]):
         argv = ["docker-compose", *(a for f in files for a in ("-f", str(f))), "config", "-q"]
         out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
         assert out.returncode == 0, out.stderr
 
 
 def _localize(command: list[str], ports: dict[str, int]) -> list[str]:
-    """Rewrite the compose network's addresses to loopback ports."""
-    out = []
-    for arg in command:
-        if arg.startswith("0.0.0.0:"):
-            arg = f"127.0.0.1:{ports[arg.rsplit(':', 1)[1]]}"
-        elif arg.startswith("worker:"):
-            arg = f"127.0.0.1:{ports[arg.rsplit(':', 1)[1]]}"
-        out.append(arg)
-    return out
+    """Rewrite the compose network's addresses (HOST:PORT, comma-separated lists too) to loopback
+    ports; ``ports`` maps a port, or SERVICE:PORT where services share a port, to its loopback port."""
+    def one(address: str) -> str:
+        host, _, port = address.rpartition(":")
+        if host == "0.0.0.0" or host == "worker":
+            return f"127.0.0.1:{ports[port]}"
+        return f"127.0.0.1:{ports[address]}" if address in ports else address
+
+    return [",".join(one(a) for a in arg.split(",")) if ":" in arg else arg for arg in command]
 
 
 def _run_healthcheck(test: list[str], ports: dict[str, int]) -> int:
@@ -123,6 +147,49 @@ def _run_healthcheck(test: list[str], ports: dict[str, int]) -> int:
     argv = [sys.executable if a == "python" else a for a in test[1:]]
     argv = [f"127.0.0.1:{ports[a.rsplit(':', 1)[1]]}" if a.startswith("127.0.0.1:") else a for a in argv]
     return subprocess.run(argv, cwd=REPO).returncode
+
+
+@pytest.mark.slow
+def test_data_parallel_compose_commands_run_as_processes(tmp_path, tiny_model_dir):
+    """docker-compose.dp.yml's commands as processes on loopback ports (a tiny model instead of
+    the embedded one): both cores take requests through the API server, greedy outputs equal the
+    offline engine's."""
+    from pagewire import LLM, SamplingParams
+    from tests.tiny_models import sample_prompts
+
+    model = tiny_model_dir("llama-gqa")
+    services = compose(COMPOSE_DP)["services"]
+    core_ports = {name: free_port() for name in ("core-a", "core-b")}
+    procs = []
+    try:
+        for name, port in core_ports.items():
+            argv = _localize(services[name]["command"], {"50060": port})
+            procs.append(Proc([*argv, "--model", str(model), "--num-threads", "1"], tmp_path / f"{name}.log"))
+        for proc in procs:
+            proc.wait_for_output("engine core ready", timeout=90)
+        ports = {"50051": free_port(), "8000": free_port(),
+                 **{f"{name}:50060": port for name, port in core_ports.items()}}
+        procs.append(Proc(_localize(services["api"]["command"], ports), tmp_path / "api.log"))
+        procs[-1].wait_for_output("api-server ready", timeout=60)
+        assert _run_healthcheck(services["api"]["healthcheck"]["test"], ports) == 0
+        for name, port in core_ports.items():
+            assert _run_healthcheck(services[name]["healthcheck"]["test"], {"50060": port}) == 0
+        prompts = sample_prompts(model, n=8)
+        s = stub(f"127.0.0.1:{ports['50051']}")
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(p):
+            return [t for r in s.Generate(pb.GenerateRequest(prompt_token_ids=p, sampling=sampling(max_tokens=8)))
+                    for t in r.token_ids]
+
+        with ThreadPoolExecutor(8) as pool:
+            streamed = list(pool.map(one, prompts))
+        offline = LLM(model).generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+        assert streamed == [o.token_ids for o in offline]
+        assert [c.core for c in s.GetLoads(pb.LoadsRequest()).cores] == [0, 1]
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
 
 
 @pytest.mark.slow
