@@ -70,6 +70,7 @@ class ApiServer:
         self.connected = asyncio.Event()  # some core is up with its worker, and the model is known
         self.draining = False  # shutting down: new requests are refused on every door
         self.kv_events = KVEventHub(self._kv_subscribers_changed)  # SubscribeKVEvents streams
+        self._adopting = asyncio.Lock()
 
     @property
     def num_cores(self) -> int:
@@ -108,7 +109,12 @@ class ApiServer:
     async def adopt_model(self, link: CoreLink) -> ServedModel | None:
         """The served model for a core whose worker is up (``link.info``): the one the other cores
         serve, or a new one when no other core serves any; None when the core serves another
-        model than the others (it takes no requests)."""
+        model than the others (it takes no requests). One link at a time: two cores coming up
+        together share one tokenizer helper."""
+        async with self._adopting:
+            return await self._adopt_model(link)
+
+    async def _adopt_model(self, link: CoreLink) -> ServedModel | None:
         info = link.info
         files = dict(info.tokenizer_files) if "tokenizer.json" in info.tokenizer_files else None
         old = self.model
