@@ -1,0 +1,193 @@
+"""Quantized weights on CPU (worker_svc/cpu/quantized.py) against bf16 and fp32, three measurements:
+
+  * a model pass through SmolLM2-135M's linears (4 per layer x 30 layers and the head, each with
+    weights of its own, far past the caches) at 1 row (one stream's decode step) and more: Q4_1
+    linears with a Q8_0 head (the embedded file's types), all Q8_0 (``--quantization int8``), the
+    kernel's bf16 pairs (where the CPU has AVX-512 BF16) and fp32 packed for oneDNN; µs and the
+    GB/s of weights read;
+  * offline one-stream decode of the embedded model, ``pagewire.LLM``, one prompt, 128 greedy new
+    tokens: served from its GGUF blocks against its dequantized copy in bf16 (and fp32), in
+    alternating rounds; tok/s after the first token (the 128-token run less a 1-token run);
+  * offline throughput at 32 streams (32 distinct prompts x 64 greedy new tokens, one
+    ``generate``), the same servings alternated: many rows per step, where the quantized kernel
+    multiplies in fp32 and bf16 uses the CPU's bf16 dot products;
+  * greedy agreement on SmolLM2: the quantized model (KV cache in fp32 and in ``--dtype auto``)
+    against the dequantized fp32 model over a few prompts: the share of identical tokens
+    position by position, and where each prompt first differs.
+
+    python benchmarks/cpu_quantized.py --json docs/bench/cpu-quantized-avx512-zen5.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+from pagewire.bench.timing import best_us
+from worker_svc.cpu import quantized as Q
+from worker_svc.cpu.features import cpu_info
+from worker_svc.cpu.linear import PackedLinear, kernel as linear_kernel, mkldnn_linear_available
+
+NUM_LAYERS = 30
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+HEAD = (49152, 576)
+PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
+           "Explain photosynthesis to a child.", "List three uses of a paperclip."]
+
+
+def linear_pass(rows: int, repeats: int) -> dict:
+    """µs per model pass and GB/s of weights, per layout, alternated over two rounds."""
+    torch.manual_seed(0)
+    shapes = SHAPES * NUM_LAYERS + [HEAD]
+    xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+    cases = {}
+    lib = Q.kernel()
+    for name, types in (("Q4_1 (Q8_0 head)", (Q.Q4_1, Q.Q8_0)), ("Q8_0", (Q.Q8_0, Q.Q8_0))):
+        mats = []
+        for i, (n, k) in enumerate(shapes):
+            btype = types[1] if i == len(shapes) - 1 else types[0]
+            weight = torch.randn(n, k) * 0.05
+            if btype is Q.Q8_0:
+                blocks = Q.quantize_q8_0(weight)
+            else:
+                import gguf
+
+                blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_1))
+            mats.append((Q.pack_blocks(blocks, btype, n, k), btype, n, k))
+        cases[name] = (lambda mats=mats: [lib.linear(xs[k], p, t, n, None) for p, t, n, k in mats],
+                       sum(p.numel() for p, *_ in mats))
+    kern = linear_kernel()
+    if kern is not None and "avx512_bf16" in cpu_info().flags:
+        packs = [(kern.pack_pairs(torch.randn(n, k).bfloat16()), n, k) for n, k in shapes]
+        xb = {k: x.bfloat16() for k, x in xs.items()}
+        cases["bf16 pairs"] = (lambda: [kern.linear_pairs(xb[k], p, n, None) for p, n, k in packs],
+                               sum(p.numel() * 4 for p, *_ in packs))
+    if mkldnn_linear_available():
+        mods = [(PackedLinear(torch.randn(n, k), None), k) for n, k in shapes]
+        cases["fp32 oneDNN"] = (lambda: [m(xs[k]) for m, k in mods], sum(n * k * 4 for n, k in shapes))
+    best = {name: float("inf") for name in cases}
+    for _ in range(3):
+        for name, (fn, _) in cases.items():
+            best[name] = min(best[name], best_us(fn, repeats, 1))
+    return {name: {"us": round(best[name], 1), "weight_bytes": nbytes, "gb_per_s": round(nbytes / best[name] / 1e3, 1)}
+            for name, (_, nbytes) in cases.items()}
+
+
+def decode_rates(rounds: int, new_tokens: int) -> dict:
+    """One-stream decode tok/s of the embedded model, per serving, alternated."""
+    from pagewire import LLM
+    from pagewire_common.sampling import SamplingParams
+
+    servings = {"quantized (GGUF blocks, --dtype auto)": dict(),
+                "dequantized bf16": dict(gguf_weights="dequantize", dtype="bfloat16"),
+                "dequantized fp32": dict(gguf_weights="dequantize", dtype="float32")}
+    llms = {name: LLM(**kw) for name, kw in servings.items()}
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    many = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    rates = {name: [] for name in llms}
+    for name, llm in llms.items():  # warm up
+        llm.generate(PROMPTS[0], many)
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            llm.generate(PROMPTS[0], one)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            llm.generate(PROMPTS[0], many)
+            total = time.perf_counter() - start
+            rates[name].append(round((new_tokens - 1) / (total - first), 1))
+    for llm in llms.values():
+        llm.close()
+    return rates
+
+
+def streams_rates(rounds: int, streams: int, new_tokens: int) -> dict:
+    """Offline tok/s with ``streams`` prompts at once, per serving, alternated."""
+    from pagewire import LLM
+    from pagewire_common.sampling import SamplingParams
+
+    servings = {"quantized (GGUF blocks, --dtype auto)": dict(),
+                "dequantized bf16": dict(gguf_weights="dequantize", dtype="bfloat16")}
+    llms = {name: LLM(enable_prefix_caching=False, **kw) for name, kw in servings.items()}
+    prompts = [f"Question {i}: what do you know about the number {i * 7 + 3}?" for i in range(streams)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    rates = {name: [] for name in llms}
+    for llm in llms.values():
+        llm.generate(prompts[:4], params)
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            rates[name].append(round(streams * new_tokens / (time.perf_counter() - start), 1))
+    for llm in llms.values():
+        llm.close()
+    return rates
+
+
+def agreement(new_tokens: int) -> dict:
+    """Greedy tokens of the quantized model against the dequantized fp32 model, per prompt."""
+    from pagewire import LLM
+    from pagewire_common.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for name, kw in (("fp32 dequantized", dict(gguf_weights="dequantize", dtype="float32")),
+                     ("quantized, fp32 KV", dict(gguf_weights="quantized", dtype="float32")),
+                     ("quantized, --dtype auto KV", dict(gguf_weights="quantized"))):
+        with LLM(**kw) as llm:
+            outputs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    reference = outputs.pop("fp32 dequantized")
+    result = {}
+    for name, tokens in outputs.items():
+        same = sum(a == b for ours, ref in zip(tokens, reference) for a, b in zip(ours, ref))
+        first = [next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None) for ours, ref in zip(tokens, reference)]
+        result[name] = {"identical_share": round(same / sum(map(len, reference)), 4), "first_difference": first}
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,8,32", help="rows of the linear passes (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="alternated decode rounds (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=32, help="prompts at once in the throughput part")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: linears,decode,streams,agreement")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    cpu = cpu_info()
+    result = {"environment": {"cpu_model": cpu.model, "cpu_family": cpu.family, "cpu_isa": cpu.isa,
+                              "cpu_isa_flags": cpu.isa_flags, "threads": torch.get_num_threads(),
+                              "torch": torch.__version__, "python": platform.python_version()},
+              "command": " ".join(sys.argv)}
+    if "linears" not in skip:
+        result["linear_pass"] = {int(r): linear_pass(int(r), args.repeats) for r in args.rows.split(",")}
+        for rows, cases in result["linear_pass"].items():
+            for name, figures in cases.items():
+                print(f"{rows:>4} rows  {name:<18} {figures['us']:>10.0f} us  {figures['gb_per_s']:>6.1f} GB/s", flush=True)
+    if "decode" not in skip:
+        result["one_stream_decode_tok_s"] = decode_rates(args.rounds, args.new_tokens)
+        for name, rates in result["one_stream_decode_tok_s"].items():
+            print(f"decode {name}: {rates} tok/s", flush=True)
+    if "streams" not in skip:
+        result[f"offline_{args.streams}_streams_tok_s"] = rates = streams_rates(args.rounds, args.streams, 64)
+        for name, figures in rates.items():
+            print(f"{args.streams} streams {name}: {figures} tok/s", flush=True)
+    if "agreement" not in skip:
+        result["greedy_agreement_vs_fp32"] = agreement(args.new_tokens)
+        print("agreement", result["greedy_agreement_vs_fp32"], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
