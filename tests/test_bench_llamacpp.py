@@ -18,6 +18,7 @@ from pagewire.bench.http_client import HttpClient, chunk_tokens
 from pagewire.bench.llamacpp import (
     CMAKE_OPTIONS,
     LlamaCppError,
+    Scenario,
     ServerConfig,
     binary_path,
     build_command,
@@ -25,20 +26,24 @@ from pagewire.bench.llamacpp import (
     configure_command,
     convert_command,
     cpu_flags,
+    decode_tokens_per_s,
     download_command,
     gguf_path,
+    pagewire_serve_argv,
     parse_configs,
+    parse_scenarios,
     server_command,
 )
+from pagewire.bench.metrics import RequestRecord
 from pagewire.bench.loadgen import build_requests, word_prompts
 from pagewire.client import make_sampling
 
 # ---- which servers -----------------------------------------------------------------------------
 
 
-def test_default_configs_alternate_llama_and_pagewire():
+def test_default_configs_put_pagewires_default_among_llama_servers_types():
     assert [c.name for c in parse_configs(llamacpp.DEFAULT_CONFIGS)] == [
-        "llama:f32", "pagewire:float32", "llama:bf16", "pagewire:bfloat16", "llama:q8_0"]
+        "llama:q4_1", "pagewire:auto", "llama:q8_0", "llama:bf16"]
 
 
 def test_configs_keep_their_order_and_skip_blanks():
@@ -46,10 +51,33 @@ def test_configs_keep_their_order_and_skip_blanks():
         ServerConfig("pagewire", "bfloat16"), ServerConfig("llama", "q8_0"), ServerConfig("llama", "f16")]
 
 
+def test_a_config_carries_flags_for_its_server():
+    llama, ours, same_type = parse_configs("llama:q4_1 --no-repack,pagewire:auto --no-prefix-cache  --max-num-seqs=8,"
+                                           "llama:q4_1")
+    assert llama == ServerConfig("llama", "q4_1", ("--no-repack",)) and llama.name == "llama:q4_1 --no-repack"
+    # pagewire's flags as its settings write them back, in their declared order
+    assert ours == ServerConfig("pagewire", "auto", ("--max-num-seqs", "8", "--no-prefix-cache"))
+    assert ours.name == "pagewire:auto --max-num-seqs 8 --no-prefix-cache"
+    assert same_type.name == "llama:q4_1" and same_type.with_args("--no-repack") == llama
+
+
+def test_pagewire_serve_argv_takes_the_configs_flags_with_the_benchs_own():
+    assert pagewire_serve_argv(("--no-prefix-cache",), dtype="bfloat16", http_listen="127.0.0.1:9") == [
+        "--dtype", "bfloat16", "--no-prefix-cache", "--http-listen", "127.0.0.1:9"]
+    assert pagewire_serve_argv(()) == []
+    with pytest.raises(ValueError, match="unrecognized arguments: --fast"):
+        pagewire_serve_argv(("--fast",))
+
+
 @pytest.mark.parametrize("text, message", [
     ("pagewire:fp4", "'pagewire:fp4': pagewire refuses it: --dtype (dtype) must be one of auto, float32, float16, bfloat16"),
-    ("llama:q4_0", "'llama:q4_0': llama takes a GGUF type, one of f32, f16, bf16, q8_0"),
-    ("vllm:f32", "'vllm:f32': expected ENGINE:TYPE with ENGINE one of llama, pagewire"),
+    ("pagewire:auto --max-num-seqs 0", "'pagewire:auto --max-num-seqs 0': pagewire refuses it: argument --max-num-seqs"),
+    ("pagewire:auto --warp 9", "'pagewire:auto --warp 9': pagewire refuses it: unrecognized arguments: --warp 9"),
+    ("pagewire:auto --dtype float32", "'pagewire:auto --dtype float32': --dtype is set by the bench"),
+    ("llama:q8_0 --port=8", "'llama:q8_0 --port=8': --port=8 is set by the bench"),
+    ("llama:q8_0 '--no-repack", "\"llama:q8_0 '--no-repack\": No closing quotation"),
+    ("llama:q4_0", "'llama:q4_0': llama takes a GGUF type, one of f32, f16, bf16, q8_0, q4_1"),
+    ("vllm:f32", "'vllm:f32': expected ENGINE:TYPE [FLAGS] with ENGINE one of llama, pagewire"),
     ("llama", "'llama': expected ENGINE:TYPE"),
     ("llama:", "'llama:': expected ENGINE:TYPE"),
     ("llama:f32,llama:f32", "'llama:f32' is given twice"),
@@ -59,6 +87,38 @@ def test_bad_configs_are_refused_with_what_is_wrong(text, message):
     with pytest.raises(ValueError) as e:
         parse_configs(text)
     assert str(e.value).startswith(message)
+
+
+# ---- scenarios and the decode rate -------------------------------------------------------------
+
+
+def test_scenarios_by_name_or_shape():
+    assert parse_scenarios(llamacpp.DEFAULT_SCENARIOS) == [Scenario("one-stream", 1, 8, 128),
+                                                           Scenario("32-streams", 32, 64, 64)]
+    assert parse_scenarios("4x16x64, one-stream") == [Scenario("4x16x64", 4, 16, 64), Scenario("one-stream", 1, 8, 128)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("two-streams", "'two-streams': expected one of one-stream, 32-streams or STREAMSxREQUESTSxTOKENS"),
+    ("4x0x64", "'4x0x64': expected"),
+    ("4x16", "'4x16': expected"),
+    ("one-stream,one-stream", "'one-stream' is given twice"),
+    ("", "no scenario given"),
+])
+def test_bad_scenarios_are_refused(text, message):
+    with pytest.raises(ValueError) as e:
+        parse_scenarios(text)
+    assert str(e.value).startswith(message)
+
+
+def test_decode_rate_counts_the_tokens_after_the_first_over_the_time_after_it():
+    # 1 s to the first token (left out), then 4 tokens in 0.5 s; then 1 token in a chunk of 2 after the first
+    first = RequestRecord(send_time=0.0, arrival_times=[1.0, 1.1, 1.2, 1.3, 1.5], arrival_counts=[1, 1, 0, 2, 1])
+    second = RequestRecord(send_time=0.0, arrival_times=[2.0, 2.5], arrival_counts=[2, 1])
+    assert decode_tokens_per_s([first]) == pytest.approx(4 / 0.5)
+    assert decode_tokens_per_s([first, second]) == pytest.approx(5 / 1.0)
+    lone = RequestRecord(arrival_times=[1.0], arrival_counts=[3])
+    assert decode_tokens_per_s([lone]) is None and decode_tokens_per_s([]) is None
 
 
 # ---- command lines -----------------------------------------------------------------------------

@@ -10,7 +10,14 @@ model pagewire serves, and started with a command line for a given workload.
 - **The weights.** pagewire's converted safetensors directory is written as GGUF (f32, f16, bf16
   or q8_0) by llama.cpp's own ``convert_hf_to_gguf.py`` from the same source, once per type: both
   servers then run the same weights. The converter runs in this Python and needs torch,
-  transformers, numpy, pyyaml and sentencepiece.
+  transformers, numpy, pyyaml and sentencepiece. ``q4_1`` is the embedded GGUF itself
+  (``SmolLM2-135M-Instruct.Q4_1.gguf``, the file pagewire dequantizes), served as it is; the
+  converter writes no 4-bit type.
+- **The servers.** A configuration is ``ENGINE:TYPE`` and, after a space, more flags for that
+  server: ``llama:q4_1 --no-repack`` passes ``--no-repack`` to llama-server, ``pagewire:auto
+  --no-prefix-cache`` (or any flag of ``pagewire serve``'s worker, core, API-server and process
+  settings, such as a weight format) to ``pagewire serve``, checked by pagewire's own parser
+  before anything runs.
 
 Everything here is plain Python (subprocess, tarfile, hashlib), torch-free; the converter
 imports torch in its own process.
@@ -18,10 +25,12 @@ imports torch in its own process.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,15 +42,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagewire_common import envs
-from pagewire_common.settings import Settings
+from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings, add_arguments
 
 # llama-cpp-python's sdist vendors a llama.cpp revision with llama-server and convert_hf_to_gguf.py
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_SOURCE_SUBDIR = "vendor/llama.cpp"
 SERVER_TARGET = "llama-server"
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # what the converter writes
+EMBEDDED_GGUF_TYPE = "q4_1"  # the embedded GGUF as it ships (the file pagewire's default model comes from)
+LLAMA_TYPES = (*GGUF_TYPES, EMBEDDED_GGUF_TYPE)
 ENGINES = ("llama", "pagewire")
-DEFAULT_CONFIGS = "llama:f32,pagewire:float32,llama:bf16,pagewire:bfloat16,llama:q8_0"
+DEFAULT_CONFIGS = "llama:q4_1,pagewire:auto,llama:q8_0,llama:bf16"
+# flags the bench sets itself on each server
+BENCH_FLAGS = {"llama": ("--model", "-m", "--host", "--port", "--parallel", "-np", "--ctx-size", "-c"),
+               "pagewire": ("--dtype", "--http-listen", "--listen")}
 # CPU only, tuned to this CPU, one static binary; no OpenSSL (plain HTTP on loopback is all a bench
 # needs) and no web UI (the prebuilt one would be downloaded during the build)
 CMAKE_OPTIONS = (
@@ -71,41 +85,131 @@ class LlamaCppError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """One server to measure: ``llama`` with a GGUF type, or ``pagewire`` with a ``--dtype``."""
+    """One server to measure: ``llama`` with a GGUF type, or ``pagewire`` with a ``--dtype``, and
+    more flags for that server (``args``: llama-server's as given, pagewire's as
+    ``Settings.to_argv`` writes them back)."""
 
     engine: str
     dtype: str
+    args: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        return f"{self.engine}:{self.dtype}"
+        return f"{self.engine}:{self.dtype}" + (f" {shlex.join(self.args)}" if self.args else "")
+
+    def with_args(self, *more: str) -> "ServerConfig":
+        return ServerConfig(self.engine, self.dtype, (*self.args, *more))
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def pagewire_serve_argv(args: tuple[str, ...] | list[str], **settings) -> list[str]:
+    """``pagewire serve``'s flags for the worker, core, API-server and process settings in ``args``
+    together with ``settings`` (keyword settings), as ``Settings.to_argv`` writes them; ValueError
+    with pagewire's own message for a flag it does not take or a value it refuses."""
+    parser = _RaisingParser(prog="pagewire serve", add_help=False)
+    add_arguments(parser, (WORKER, CORE, API, PROCESS), unset_defaults=True)
+    namespace, unknown = parser.parse_known_args(list(args))
+    if unknown:
+        raise ValueError(f"unrecognized arguments: {' '.join(unknown)}")
+    given = {name: value for name, value in vars(namespace).items() if value is not None}
+    return Settings(**given, **settings).to_argv((WORKER, CORE, API, PROCESS))
 
 
 def parse_configs(text: str) -> list[ServerConfig]:
-    """``llama:f32,pagewire:float32,...`` in the order given. A pagewire dtype is checked by pagewire's
-    own settings, so one it does not take is refused here with its message, before anything runs."""
+    """``llama:q4_1,pagewire:auto,llama:q8_0 --no-repack,...`` in the order given: ``ENGINE:TYPE``,
+    then, after a space, flags for that server (shell-quoted). A pagewire dtype and its flags are
+    checked by pagewire's own settings, so one it does not take is refused here with its message,
+    before anything runs."""
     configs: list[ServerConfig] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        engine, sep, dtype = item.partition(":")
+        head, _, rest = item.partition(" ")
+        engine, sep, dtype = head.partition(":")
         if not sep or engine not in ENGINES or not dtype:
-            raise ValueError(f"{item!r}: expected ENGINE:TYPE with ENGINE one of {', '.join(ENGINES)} "
-                             f"(e.g. llama:q8_0, pagewire:bfloat16)")
-        if engine == "llama" and dtype not in GGUF_TYPES:
-            raise ValueError(f"{item!r}: llama takes a GGUF type, one of {', '.join(GGUF_TYPES)}")
+            raise ValueError(f"{item!r}: expected ENGINE:TYPE [FLAGS] with ENGINE one of {', '.join(ENGINES)} "
+                             f"(e.g. llama:q8_0, pagewire:bfloat16, llama:q4_1 --no-repack)")
+        try:
+            args = tuple(shlex.split(rest))
+        except ValueError as e:
+            raise ValueError(f"{item!r}: {e}") from None
+        taken = [a for a in args if a.split("=", 1)[0] in BENCH_FLAGS[engine]]
+        if taken:
+            raise ValueError(f"{item!r}: {', '.join(taken)} is set by the bench")
+        if engine == "llama" and dtype not in LLAMA_TYPES:
+            raise ValueError(f"{item!r}: llama takes a GGUF type, one of {', '.join(LLAMA_TYPES)}")
         if engine == "pagewire":
             try:
-                Settings(dtype=dtype)
+                pagewire_serve_argv(args, dtype=dtype)  # the dtype and the flags together
+                args = tuple(pagewire_serve_argv(args))
             except ValueError as e:
                 raise ValueError(f"{item!r}: pagewire refuses it: {e}") from None
-        config = ServerConfig(engine, dtype)
+        config = ServerConfig(engine, dtype, args)
         if config in configs:
             raise ValueError(f"{item!r} is given twice")
         configs.append(config)
     if not configs:
         raise ValueError("no configuration given")
     return configs
+
+
+# ---- what to measure ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A workload: ``num_requests`` streamed requests, ``concurrency`` of them in flight (and as
+    many llama-server slots), ``max_new_tokens`` greedy tokens each, EOS ignored."""
+
+    name: str
+    concurrency: int
+    num_requests: int
+    max_new_tokens: int
+
+
+# one user: one client asking one thing after another; many users: 32 streams at once
+SCENARIOS = {"one-stream": Scenario("one-stream", 1, 8, 128), "32-streams": Scenario("32-streams", 32, 64, 64)}
+DEFAULT_SCENARIOS = "one-stream,32-streams"
+
+
+def parse_scenarios(text: str) -> list[Scenario]:
+    """``one-stream,32-streams`` (the named ones) or ``CxRxT`` (C streams, R requests, T new
+    tokens each, e.g. ``4x16x64``), in the order given."""
+    scenarios: list[Scenario] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        scenario = SCENARIOS.get(item)
+        if scenario is None:
+            parts = item.split("x")
+            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"{item!r}: expected one of {', '.join(SCENARIOS)} or STREAMSxREQUESTSxTOKENS "
+                                 f"with positive numbers (e.g. 4x16x64)")
+            scenario = Scenario(item, *(int(p) for p in parts))
+        if scenario in scenarios:
+            raise ValueError(f"{item!r} is given twice")
+        scenarios.append(scenario)
+    if not scenarios:
+        raise ValueError("no scenario given")
+    return scenarios
+
+
+def decode_tokens_per_s(records) -> float | None:
+    """The decode rate after the first token: over every request, the tokens after its first
+    divided by the time from its first token's arrival to its last's (a lone stream's rate,
+    its prompt left out); None when no request had two token arrivals."""
+    tokens, seconds = 0, 0.0
+    for rec in records:
+        arrivals = [(t, k) for t, k in zip(rec.arrival_times, rec.arrival_counts) if k > 0]
+        n = sum(k for _, k in arrivals)
+        if n >= 2 and arrivals[-1][0] > arrivals[0][0]:
+            tokens += n - arrivals[0][1]
+            seconds += arrivals[-1][0] - arrivals[0][0]
+    return tokens / seconds if seconds > 0 else None
 
 
 # ---- llama-server's command line --------------------------------------------------------------
