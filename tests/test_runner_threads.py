@@ -1,6 +1,6 @@
-"""A small CPU step's thread count (``worker_svc.step_threads``): one or the process's, whichever
-its recent steps took less time on, the other tried now and then; the runner sets it around the
-step only, and the tokens are the same either way."""
+"""A CPU step's thread count (``worker_svc.step_threads``): one or the process's, whichever steps of
+its size ran faster on lately, the other tried now and then; the runner sets it around the step
+only, and the tokens are the same either way."""
 
 from __future__ import annotations
 
@@ -9,41 +9,52 @@ import torch
 
 from pagewire_common.plan import NewSequence, RunningSequence, StepPlan
 from pagewire_common.sampling import SamplingParams
-from worker_svc import step_threads
 from worker_svc.runner import ModelRunner, RunnerConfig
-from worker_svc.step_threads import PROBE_EVERY, SmallStepThreads
+from worker_svc.step_threads import PROBE_EVERY, StepThreads
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
-def run_steps(chooser: SmallStepThreads, seconds: dict[int, float], num_steps: int) -> list[int]:
-    """The thread counts ``chooser`` picks over ``num_steps`` steps that take ``seconds[threads]``."""
+def run_steps(chooser: StepThreads, num_tokens: int, seconds: dict[int, float], num_steps: int) -> list[int]:
+    """The thread counts ``chooser`` picks over ``num_steps`` steps of ``num_tokens`` tokens that
+    take ``seconds[threads]``."""
     picked = []
     for _ in range(num_steps):
-        threads = chooser.pick()
-        chooser.record(threads, seconds[threads])
+        threads = chooser.pick(num_tokens)
+        chooser.record(num_tokens, threads, seconds[threads])
         picked.append(threads)
     return picked
 
 
-def test_one_thread_first_then_the_faster_choice_with_rarer_tries_of_a_slower_one():
-    chooser = SmallStepThreads(2)
-    picked = run_steps(chooser, {1: 0.010, 2: 0.008}, PROBE_EVERY + 3)
-    # one thread until the first try of two, which was faster: two from then on
-    assert picked == [1] * PROBE_EVERY + [2, 2, 2]
-    assert chooser.best == 2
+def test_a_lone_streams_steps_start_on_one_thread_then_take_the_faster_choice():
+    chooser = StepThreads(2)
+    picked = run_steps(chooser, 1, {1: 0.010, 2: 0.008}, 5)
+    assert picked == [1, 2, 2, 2, 2]  # two threads tried on the second step, faster: kept
     # the machine gets busy: two threads take 5x one's time; one step on them and one thread is back
-    picked = run_steps(chooser, {1: 0.012, 2: 0.060}, 400)
-    assert picked[:2] == [2, 1] and chooser.best == 1
+    picked = run_steps(chooser, 1, {1: 0.012, 2: 0.060}, 400)
+    assert picked[:2] == [2, 1]
     tries = [i for i, t in enumerate(picked) if t == 2][1:]
     # two threads are tried again, each time later as their mean slows towards 5x
     gaps = [b - a for a, b in zip([1, *tries], tries)]
     assert 3 <= len(tries) <= 5 and gaps == sorted(gaps) and gaps[0] > PROBE_EVERY and gaps[-1] > 3 * PROBE_EVERY
 
 
+def test_each_size_of_step_is_measured_apart_per_token():
+    chooser = StepThreads(4)
+    # 32-token steps start on all four threads, try one on their second step, and keep four
+    assert run_steps(chooser, 32, {1: 0.080, 4: 0.040}, 4) == [4, 1, 4, 4]
+    # a 40-token step is of the same size (32 to 63 tokens): its time per token is compared
+    assert chooser.pick(40) == 4
+    # single-token steps know nothing of that: one thread first
+    assert run_steps(chooser, 1, {1: 0.010, 4: 0.030}, 3) == [1, 4, 1]
+    # two threads' tries of the slower 32-token choice come once per PROBE_EVERY x 2 steps or later
+    picked = run_steps(chooser, 32, {1: 0.080, 4: 0.040}, 4 * PROBE_EVERY)
+    assert 1 <= picked.count(1) <= 2
+
+
 def test_a_single_thread_process_has_nothing_to_choose():
-    chooser = SmallStepThreads(1)
-    assert run_steps(chooser, {1: 0.01}, PROBE_EVERY * 3) == [1] * (PROBE_EVERY * 3)
+    chooser = StepThreads(1)
+    assert run_steps(chooser, 1, {1: 0.01}, 3) == [1, 1, 1] and run_steps(chooser, 64, {1: 0.01}, 3) == [1, 1, 1]
 
 
 @pytest.fixture()
@@ -74,11 +85,10 @@ def decode(tiny_model_dir, prompt: list[int], steps: int) -> tuple[list[int], li
     return tokens, threads
 
 
-def test_the_runner_sets_the_picked_threads_around_small_steps_only(tiny_model_dir, two_threads, monkeypatch):
-    monkeypatch.setattr(step_threads, "PROBE_EVERY", 3)
+def test_the_runner_sets_the_picked_threads_around_each_step(tiny_model_dir, two_threads, monkeypatch):
     tokens, threads = decode(tiny_model_dir, [5, 9, 3, 11, 2], 6)
-    # the 5-token prefill on the process's two threads; decodes on one, then a try of two
-    assert threads[:5] == [2, 1, 1, 1, 2]
-    monkeypatch.setattr("worker_svc.runner.SMALL_STEP_MAX_TOKENS", 0)
+    # the 5-token prefill on the process's two threads; the first decode on one, the second on two
+    assert threads[:3] == [2, 1, 2]
+    monkeypatch.setattr(StepThreads, "pick", lambda self, num_tokens: self.num_threads)  # always both
     same, threads = decode(tiny_model_dir, [5, 9, 3, 11, 2], 6)
     assert threads == [2] * 7 and same == tokens

@@ -29,7 +29,7 @@ from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.logits_adjust import LogitsAdjuster
 from worker_svc.parallel.group import SINGLE, TensorParallel
 from worker_svc.sampler import Sampler, SamplingBatch
-from worker_svc.step_threads import SMALL_STEP_MAX_TOKENS, SmallStepThreads
+from worker_svc.step_threads import StepThreads
 from worker_svc.structured import GrammarMasks
 from worker_svc.weights import load_model
 
@@ -217,8 +217,8 @@ class ModelRunner:
         self._awaiting_tokens: list[SeqState] = []
         self._sampling: _SamplingGroup | None = None
         self._to_device = _HostToDevice(self.device)
-        # CPU: a lone stream's steps on one thread or all, whichever is faster here (step_threads)
-        self._small_step_threads = SmallStepThreads(torch.get_num_threads()) if self.device.type == "cpu" else None
+        # CPU: each step on one thread or all, whichever its size ran faster on lately (step_threads)
+        self._step_threads = StepThreads(torch.get_num_threads()) if self.device.type == "cpu" else None
         log.debug(
             "model runner: %s architecture, %s on %s, %d KV blocks of %d tokens, max model length %d",
             mc.model_type, dtype_name(self.dtype), self.device, num_blocks, config.block_size, self.max_model_len,
@@ -265,13 +265,14 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
-        chooser = self._small_step_threads
-        if chooser is None or plan.is_empty or plan.num_scheduled_tokens > SMALL_STEP_MAX_TOKENS:
+        chooser = self._step_threads
+        if chooser is None or plan.is_empty:
             return self._execute(plan)
         process_threads = torch.get_num_threads()
         if chooser.num_threads != process_threads:  # the process changed its count: measure anew
-            self._small_step_threads = chooser = SmallStepThreads(process_threads)
-        threads = chooser.pick()
+            self._step_threads = chooser = StepThreads(process_threads)
+        num_tokens = plan.num_scheduled_tokens
+        threads = chooser.pick(num_tokens)
         if threads != process_threads:
             torch.set_num_threads(threads)
         start = chooser.clock()
@@ -280,7 +281,7 @@ class ModelRunner:
         finally:
             if threads != process_threads:
                 torch.set_num_threads(process_threads)  # the process's own count outside the step
-        chooser.record(threads, chooser.clock() - start)
+        chooser.record(num_tokens, threads, chooser.clock() - start)
         return result
 
     @torch.inference_mode()

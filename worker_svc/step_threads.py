@@ -1,60 +1,89 @@
-"""How many threads a small CPU step runs on: one, or the process's count, whichever its recent
-steps took less time on.
+"""How many threads a CPU step runs on: one, or the process's count, whichever recent steps of its
+size took less time on.
 
-A step of one or two tokens (a lone stream's decode) streams every weight past one or two rows.
-On two threads each of its ~250 parallel regions (several per layer) ends in a barrier, which
-waits for any thread that another process took the core from: the API server, the core and the
-client of the same stream, or any other program on the machine. On a quiet machine two threads
-finish such a step about 1.2x sooner than one; with the cores shared, one thread is faster, by
-several times when other programs keep them busy. So the choice is measured: the runner times
-every small step, keeps a moving mean per choice, runs on the faster one, and now and then tries
-the other (less often the slower it was), so that the choice follows the load.
+Every parallel region of a step (several per layer, ~250 a step) ends in a barrier, which waits
+for any thread that another process took the core from: the API server, the core and the
+clients, or any other program on the machine. On a quiet machine two threads finish a lone
+stream's decode about 1.2x sooner than one, and a 32-row step about twice as soon; with the cores
+shared, one thread is faster, by several times when other programs keep them busy (a 16-row
+linear took 31 ms on two threads and 0.9 ms on one). So the choice is measured, per size of step
+(its tokens, rounded down to a power of two): the runner times every step, keeps a moving mean of
+its time per token for each choice, runs on the faster one, tries the other on the second step of
+a size and then now and then (less often the slower it was), so that the choice follows the load.
 
-Torch-free: the runner sets the count it picks (``torch.set_num_threads``) around the step.
+A step of a few tokens starts on one thread, a larger one on all; a try of the slower choice costs
+at most about 1 / PROBE_EVERY of the steps' time. Torch-free: the runner sets the count it picks
+(``torch.set_num_threads``) around the step.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-# a step of at most this many tokens is small
+# a step of at most this many tokens starts on one thread (one or two rows stream the weights at
+# about the speed of memory from one core), a larger one on the process's threads
 SMALL_STEP_MAX_TOKENS = 2
-# try the other choice once every this many small steps, times how much slower it was (so a try
-# costs at most about 1 / PROBE_EVERY of the time however slow it is)
+# try the other choice once every this many steps of a size, times how much slower it was
 PROBE_EVERY = 32
 # weight of a new time in a choice's moving mean
 MEAN_WEIGHT = 0.25
 
 
-class SmallStepThreads:
-    """The thread count of small steps, chosen between 1 and ``num_threads`` by their times."""
+@dataclass(slots=True)
+class _SizeChoice:
+    """What is known of the steps of one size: each choice's mean seconds per token (None until it
+    ran), the faster one, and the steps since the other was last tried."""
+
+    best: int
+    mean_s: dict[int, float | None]
+    since_probe: int = 0
+
+
+class StepThreads:
+    """The thread count of each step, chosen between 1 and ``num_threads`` by measured times."""
 
     def __init__(self, num_threads: int, clock: Callable[[], float] = time.perf_counter):
         self.num_threads = num_threads
         self.clock = clock
-        self.mean_s: dict[int, float | None] = {1: None, num_threads: None}  # threads -> moving mean of a step
-        self.best = 1
-        self.since_probe = 0
+        self._sizes: dict[int, _SizeChoice] = {}  # size class (bit length of the token count) -> choice
 
-    def pick(self) -> int:
-        """The thread count of the next small step."""
+    def _size(self, num_tokens: int) -> _SizeChoice:
+        size = num_tokens.bit_length()
+        choice = self._sizes.get(size)
+        if choice is None:
+            best = 1 if num_tokens <= SMALL_STEP_MAX_TOKENS else self.num_threads
+            self._sizes[size] = choice = _SizeChoice(best, {1: None, self.num_threads: None})
+        return choice
+
+    def _other(self, threads: int) -> int:
+        return self.num_threads if threads == 1 else 1
+
+    def pick(self, num_tokens: int) -> int:
+        """The thread count of the next step, of ``num_tokens`` tokens."""
         if self.num_threads <= 1:
             return 1
-        other = self.num_threads if self.best == 1 else 1
-        best_s, other_s = self.mean_s[self.best], self.mean_s[other]
+        choice = self._size(num_tokens)
+        other = self._other(choice.best)
+        best_s, other_s = choice.mean_s[choice.best], choice.mean_s[other]
         if best_s is None:
-            return self.best
-        slower = 1.0 if other_s is None else other_s / best_s
-        if self.since_probe >= PROBE_EVERY * slower:
+            return choice.best
+        if other_s is None:  # the second step of this size tries the other choice
             return other
-        return self.best
+        if choice.since_probe >= PROBE_EVERY * other_s / best_s:
+            return other
+        return choice.best
 
-    def record(self, threads: int, seconds: float) -> None:
-        """A small step ran on ``threads`` in ``seconds``."""
-        mean = self.mean_s[threads]
-        self.mean_s[threads] = seconds if mean is None else mean + MEAN_WEIGHT * (seconds - mean)
-        self.since_probe = 0 if threads != self.best else self.since_probe + 1
-        other = self.num_threads if self.best == 1 else 1
-        if self.mean_s[other] is not None and self.mean_s[other] < self.mean_s[self.best]:
-            self.best = other
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        """A step of ``num_tokens`` tokens ran on ``threads`` in ``seconds``."""
+        if self.num_threads <= 1:
+            return
+        choice = self._size(num_tokens)
+        per_token = seconds / num_tokens
+        mean = choice.mean_s[threads]
+        choice.mean_s[threads] = per_token if mean is None else mean + MEAN_WEIGHT * (per_token - mean)
+        choice.since_probe = 0 if threads != choice.best else choice.since_probe + 1
+        best_s, other_s = choice.mean_s[choice.best], choice.mean_s[self._other(choice.best)]
+        if other_s is not None and (best_s is None or other_s < best_s):
+            choice.best = self._other(choice.best)
