@@ -32,7 +32,8 @@ import torch
 from pagewire.bench.timing import best_us
 from worker_svc.cpu import quantized as Q
 from worker_svc.cpu.features import cpu_info
-from worker_svc.cpu.linear import PackedLinear, kernel as linear_kernel, mkldnn_linear_available
+from worker_svc.cpu.linear import PackedLinear, mkldnn_linear_available
+from worker_svc.cpu.linear import kernel as linear_kernel
 
 NUM_LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -84,9 +85,9 @@ def decode_rates(rounds: int, new_tokens: int, threads: int | None) -> dict:
     from pagewire import LLM
     from pagewire_common.sampling import SamplingParams
 
-    servings = {"quantized (GGUF blocks, --dtype auto)": dict(),
-                "dequantized bf16": dict(gguf_weights="dequantize", dtype="bfloat16"),
-                "dequantized fp32": dict(gguf_weights="dequantize", dtype="float32")}
+    servings = {"quantized (GGUF blocks, --dtype auto)": {},
+                "dequantized bf16": {"gguf_weights": "dequantize", "dtype": "bfloat16"},
+                "dequantized fp32": {"gguf_weights": "dequantize", "dtype": "float32"}}
     llms = {name: LLM(num_threads=threads, **kw) for name, kw in servings.items()}
     many = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rates = {name: [] for name in llms}
@@ -107,8 +108,8 @@ def streams_rates(rounds: int, streams: int, new_tokens: int, threads: int | Non
     from pagewire import LLM
     from pagewire_common.sampling import SamplingParams
 
-    servings = {"quantized (GGUF blocks, --dtype auto)": dict(),
-                "dequantized bf16": dict(gguf_weights="dequantize", dtype="bfloat16")}
+    servings = {"quantized (GGUF blocks, --dtype auto)": {},
+                "dequantized bf16": {"gguf_weights": "dequantize", "dtype": "bfloat16"}}
     llms = {name: LLM(enable_prefix_caching=False, num_threads=threads, **kw) for name, kw in servings.items()}
     prompts = [f"Question {i}: what do you know about the number {i * 7 + 3}?" for i in range(streams)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -132,9 +133,9 @@ def agreement(new_tokens: int) -> dict:
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for name, kw in (("fp32 dequantized", dict(gguf_weights="dequantize", dtype="float32")),
-                     ("quantized, fp32 KV", dict(gguf_weights="quantized", dtype="float32")),
-                     ("quantized, --dtype auto KV", dict(gguf_weights="quantized"))):
+    for name, kw in (("fp32 dequantized", {"gguf_weights": "dequantize", "dtype": "float32"}),
+                     ("quantized, fp32 KV", {"gguf_weights": "quantized", "dtype": "float32"}),
+                     ("quantized, --dtype auto KV", {"gguf_weights": "quantized"})):
         with LLM(**kw) as llm:
             outputs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]
     reference = outputs.pop("fp32 dequantized")
