@@ -347,7 +347,9 @@ def compute_quantized_model_in_fp32(model: nn.Module) -> str:
         if isinstance(module, RotaryEmbedding):
             module.reset_parameters()
     types = sorted({t.name for m in model.modules() if isinstance(m, QuantLinear) for t in m.types})
+    from worker_svc.cpu.features import cpu_info
+
     lib = kernel()
     where = "no C compiler: dequantized per call" if lib is None else (
-        f"C kernel, {lib.simd}-bit vectors" if lib.simd else "C kernel, portable build")
+        f"C kernel, {lib.simd}-bit vectors, {cpu_info().isa}" if lib.simd else "C kernel, portable build")
     return f"quantized {'/'.join(types)} weights, fp32 arithmetic ({where})"
