@@ -44,7 +44,8 @@ def serve_roles(serve_pid: int) -> dict[str, list[int]]:
     """Role -> pids of a running `pagewire serve`: "serve" (the supervisor), "worker" (rank 0),
     "worker rank R" (each further tensor-parallel rank, which rank 0 starts), "core", each
     "api-server N" (the core's children, by pid) and "api-server N helpers" (its tokenizer helper
-    and multiprocessing's resource tracker) where it has started any. A process none of these
+    and multiprocessing's resource tracker) where it has started any. With --data-parallel-size the
+    workers pool in "worker", the engine cores in "core", and the API servers are serve's children. A process none of these
     names (a compile worker, say) counts with the nearest ancestor that has a role; every process
     of the tree is in exactly one role."""
     roles: dict[str, list[int]] = {}
@@ -61,7 +62,7 @@ def serve_roles(serve_pid: int) -> dict[str, list[int]]:
                 add(child, "core")
             elif role == "worker" and rank:
                 add(child, f"worker rank {rank.group(1)}")
-            elif role == "core" and " api-server " in argv:
+            elif role in ("core", "serve") and " api-server " in argv:
                 api_servers += 1
                 add(child, f"api-server {api_servers}")
             elif role.startswith("api-server") and not role.endswith(" helpers"):
