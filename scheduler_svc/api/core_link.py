@@ -1,10 +1,10 @@
-"""An API server's link to one engine core: its ``Connect`` session and the requests it carries.
+"""An API server's link to one engine core: its ``Connect`` stream and the requests it carries.
 
 An API server holds one ``CoreLink`` per engine core (one, or ``--data-parallel-size`` and
 ``--data-parallel-cores`` of them). A link sends its requests to its core over the frame link of
 one ``Connect`` call and turns the core's per-step token arrays into each client's stream. Its
 request ids are its own: the core gives the high half (this API server's id on that core), the
-link counts the low half. It reconnects with a back-off whenever the session ends; a lost core
+link counts the low half. It reconnects with a back-off whenever the stream ends; a lost core
 fails only the requests of its link (UNAVAILABLE), and the router leaves it out until it is back.
 """
 
@@ -50,7 +50,7 @@ class _Pending:
 
 
 class CoreLink:
-    """One engine core as an API server sees it: the session, and the requests (samples) in flight
+    """One engine core as an API server sees it: the stream, and the requests (samples) in flight
     on it."""
 
     def __init__(self, server, index: int, core_address: str):

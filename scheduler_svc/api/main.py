@@ -1,5 +1,6 @@
 """One API-server process: ``pagewire api-server``, which the core starts (``--api-servers N``, all
-on the public address with SO_REUSEPORT) and which talks to the core over one ``Connect`` session.
+on the public address with SO_REUSEPORT; serve starts them itself with ``--data-parallel-size``)
+and which talks to each engine core over one ``Connect`` stream.
 SIGTERM: it refuses new calls, lets its running ones finish for up to ``--shutdown-timeout``
 seconds, and stops.
 """

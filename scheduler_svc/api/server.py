@@ -4,7 +4,7 @@ Several API-server processes can listen on one address (SO_REUSEPORT: the kernel
 connections). Each validates requests, tokenizes prompts and renders chat templates without
 stalling its event loop (``OffloadedTokenizer``), picks an engine core for each request
 (``router.py``; one core unless ``--data-parallel-size``/``--data-parallel-cores``), sends it over
-that core's ``Connect`` session (``core_link.py``), and turns the core's per-step token arrays into
+that core's ``Connect`` stream (``core_link.py``), and turns the core's per-step token arrays into
 each client's stream: incremental text, stop strings (a stop ends the request in the core),
 ``--stream-interval``. ``GetStats`` sums the cores' figures, ``GetLoads`` lists them per core.
 Health is SERVING while some core's link and that core's link to its worker are both up.
@@ -150,7 +150,7 @@ class ApiServer:
             self._on_health(False)
 
     def core_lost(self, link: CoreLink, message: str) -> None:
-        """A core's session ended: it leaves the routing table, and the KV-event streams end (the
+        """A core's ``Connect`` stream ended: it leaves the routing table, and the KV-event streams end (the
         core's events are lost with it; a subscriber subscribes again)."""
         self.router.clear(link.index)
         self.kv_events.fail_all(grpc.StatusCode.UNAVAILABLE, message)
