@@ -1,7 +1,8 @@
 """Quantized weights on CPU (``worker_svc/cpu/quantized.py``, ``csrc/quant.c``, ``gguf_weights.py``):
-the kernel against the torch dequantization for Q4_0, Q4_1 and Q8_0, a tiny Llama written as a
-GGUF file served from its blocks against the same model dequantized to fp32 (greedy token-exact,
-resident bytes), ``--quantization int8``, and the errors for what is not served."""
+the kernel against the torch dequantization for Q4_0, Q4_1 and Q8_0, in fp32 and (on CPUs with
+AVX-512 BF16) with bf16 activations, a tiny Llama written as a GGUF file served from its blocks
+against the same model dequantized, in fp32 and in bf16 (greedy token-exact, resident bytes),
+``--quantization int8``, and the errors for what is not served."""
 
 from __future__ import annotations
 
@@ -58,6 +59,55 @@ def test_kernel_matches_the_torch_dequantization(lib, btype, qtype, n, k):
         assert torch.equal(lib.linear(x[-1:], packed, btype, n, bias)[0], y[-1])
     ids = torch.tensor([0, n - 1, 5, 5])
     assert torch.equal(lib.rows(packed, btype, ids, n, k), dense[ids])
+
+
+@pytest.fixture(scope="module")
+def bf16_lib(lib):
+    from worker_svc.cpu.features import cpu_info
+
+    if not Q.bf16_kernel_available():
+        pytest.skip(f"the quantized bf16 kernel needs AVX-512 BF16 dot products; this CPU has {cpu_info().isa} "
+                    "(a bf16 model computes in fp32 here, as the fp32 tests check)")
+    return lib
+
+
+@pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
+@pytest.mark.parametrize("n,k", [(37, 64), (200, 96), (64, 576)])
+def test_bf16_kernel_matches_the_bf16_cast_of_the_dequantized_weight(bf16_lib, btype, qtype, n, k):
+    torch.manual_seed(n + k + 1)
+    blocks = quantized_blocks(torch.randn(n, k), qtype)
+    packed = Q.pack_blocks(blocks, btype, n, k)
+    weight = Q.dequantize_ref(packed, btype, n, k).bfloat16()  # the dense bf16 model's weight
+    bias = torch.randn(n)
+    x = torch.randn(33, k).bfloat16()
+    for m in range(1, 34):
+        y = bf16_lib.linear_bf16(x[:m], packed, btype, n, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        reference = (x[:m].double() @ weight.double().T + bias.double()).float()
+        # fp32 sums rounded to bf16 once: within a bf16 step of the exact product
+        torch.testing.assert_close(y.float(), reference, atol=1e-3 * k**0.5, rtol=2**-7)
+
+
+@pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
+def test_bf16_kernel_equals_the_dense_bf16_kernel_and_is_batch_invariant(bf16_lib, btype, qtype):
+    from worker_svc.cpu.linear import kernel as linear_kernel
+
+    n, k = 70, 160
+    torch.manual_seed(7)
+    packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
+    bias = torch.randn(n)
+    x = torch.randn(32, k).bfloat16()
+    y = bf16_lib.linear_bf16(x, packed, btype, n, bias)
+    # a row's result does not depend on the rows beside it (registers up to 4 rows, the buffer past)
+    for m in (1, 2, 4, 5, 13):
+        assert torch.equal(bf16_lib.linear_bf16(x[:m], packed, btype, n, bias), y[:m])
+    for r in range(32):
+        assert torch.equal(bf16_lib.linear_bf16(x[r : r + 1], packed, btype, n, bias)[0], y[r])
+    # the dense bf16 model's kernel on its vdpbf16ps path sums in the same order: the same bits
+    dense = linear_kernel()
+    if dense is not None and dense.pairs_simd and not dense.pairs_amx:
+        weight = Q.dequantize_ref(packed, btype, n, k).bfloat16()
+        assert torch.equal(dense.linear_pairs(x, dense.pack_pairs(weight), n, bias), y)
 
 
 def test_int8_quantization_round_trips_within_half_a_step(lib):
@@ -134,9 +184,9 @@ MIXED = {"q_proj": GGML.Q4_1, "k_proj": GGML.Q4_1, "v_proj": GGML.Q8_0, "o_proj"
          "up_proj": GGML.Q4_1, "down_proj": GGML.Q4_0}
 
 
-def greedy(model_dir, prompts, **settings) -> list[list[int]]:
+def greedy(model_dir, prompts, dtype="float32", **settings) -> list[list[int]]:
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    with LLM(model_dir, dtype="float32", **settings) as llm:
+    with LLM(model_dir, dtype=dtype, **settings) as llm:
         return [out.token_ids for out in llm.generate(prompts, params)]
 
 
@@ -162,6 +212,34 @@ def test_tiny_gguf_served_from_its_blocks_equals_its_fp32_dequantization(lib, ti
     prompts = sample_prompts(source, n=4, lengths=(1, 9, 33, 77))
     quantized = greedy(model_dir, prompts, gguf_weights="quantized")
     assert quantized == greedy(model_dir, prompts, gguf_weights="dequantize")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiny_gguf_served_from_its_blocks_in_bf16_equals_its_bf16_dequantization(bf16_lib, tiny_model_dir, tmp_path,
+                                                                                 caplog, tied):
+    source = tiny_model_dir("llama-gqa")
+    model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=tied, types=MIXED)
+    prompts = sample_prompts(source, n=4, lengths=(1, 9, 33, 77))
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized")
+    assert "bf16 arithmetic (C kernel, AVX-512 BF16 dot products" in caplog.text
+    # the same bf16 weights, embedding rows and sums (csrc/linear.c's order): the same tokens
+    assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize")
+
+
+def test_bf16_model_computes_in_fp32_without_avx512_bf16(lib, tiny_model_dir, tmp_path, monkeypatch):
+    from worker_svc.cpu import features
+
+    model_dir, _ = write_gguf_model(tiny_model_dir("llama-gqa"), tmp_path / "converted", tied=True, types=MIXED)
+    model, _ = load_model(model_dir, torch.bfloat16, "cpu", gguf_weights="quantized")
+    avx2 = features.CpuInfo("an AVX2 CPU", frozenset({"avx", "avx2", "fma", "f16c"}), "AuthenticAMD", 25)
+    monkeypatch.setattr(features, "cpu_info", lambda: avx2)
+    dtype, line = Q.compute_quantized_model(model, torch.bfloat16)
+    assert dtype == torch.float32
+    assert "fp32 arithmetic" in line and "--dtype bfloat16 computes in fp32 here, as this CPU has no AVX-512 BF16" in line
+    assert all(m.compute_dtype == torch.float32 for m in model.modules() if isinstance(m, Q.QuantLinear))
+    assert model.model.norm.weight.dtype == torch.float32
+    assert model.model.embed_tokens(torch.tensor([1, 2])).dtype == torch.float32
 
 
 def test_int8_quantization_equals_its_dequantized_checkpoint(lib, tiny_model_dir, tmp_path):

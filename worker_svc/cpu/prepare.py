@@ -3,7 +3,8 @@
 What runs where depends on the model's dtype and on the CPU (``features``):
 
 - a model with quantized linears (GGUF blocks, ``--quantization int8``: ``quantized``) computes in
-  fp32, its KV cache in the model's dtype;
+  bf16 for a bf16 model on a CPU with AVX-512 BF16 (the kernel's bf16 dot products), else in fp32;
+  its KV cache in the model's dtype;
 - a bf16 model on a CPU without native bf16 keeps bf16 weights and cache and computes in fp32
   (``bf16_linear``); otherwise the linear weights are packed for the C kernel or oneDNN
   (``linear``);
@@ -27,7 +28,7 @@ from worker_svc.cpu import attention, features
 from worker_svc.cpu.bf16_linear import compute_bf16_model_in_fp32
 from worker_svc.cpu.fused import use_fused_cpu_kernels
 from worker_svc.cpu.linear import pack_linears_for_cpu
-from worker_svc.cpu.quantized import compute_quantized_model_in_fp32, is_quantized
+from worker_svc.cpu.quantized import compute_quantized_model, is_quantized
 
 log = logging.getLogger("pagewire.worker")
 
@@ -39,8 +40,7 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool =
     compute_dtype = dtype
     cpu = features.cpu_info()
     if is_quantized(model):
-        compute_dtype = torch.float32
-        linears = compute_quantized_model_in_fp32(model)
+        compute_dtype, linears = compute_quantized_model(model, dtype)
     elif dtype == torch.bfloat16 and not cpu.native_bf16:
         compute_dtype = torch.float32
         linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(model)

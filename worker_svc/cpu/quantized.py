@@ -4,9 +4,16 @@ int8 (``--quantization int8``, Q8_0's format: 32 int8 and one fp16 scale per blo
 A decode step of one stream reads every weight once, so its time is the bytes read: 4.5 to 8.5
 bits a weight here against 16 (bf16) or 32 (fp32). The C kernel (``csrc/quant.c``) keeps the
 blocks, repacked at load into tiles of 32 output columns x 32 inputs of the same size, and
-dequantizes each weight to fp32 in registers before an fp32 FMA with the fp32 activations; the
-weights are bit for bit those of the dequantized model (``dequantize_ref``), so a quantized model
-computes what its dequantized fp32 copy computes, up to the order of the sums.
+dequantizes each weight to fp32 in registers (bit for bit the dequantized model's weight,
+``dequantize_ref``). It then computes in the model's dtype where it can:
+
+- fp32 activations: an fp32 FMA per weight; the model computes what its dequantized fp32 copy
+  computes, up to the order of the sums;
+- bf16 activations, on CPUs with AVX-512 BF16: each fp32 weight rounded to bf16 (torch's cast of
+  the dequantized weight) and multiplied by ``vdpbf16ps`` dot products, fp32 sums in the order of
+  ``csrc/linear.c``'s bf16 kernel, output bf16: the dense bf16 model made from the same file, up to
+  nothing where that kernel serves it. Elsewhere a bf16 model computes in fp32
+  (:func:`compute_quantized_model`).
 
 :class:`QuantLinear` replaces an ``nn.Linear`` (one or several packed parts, their outputs side by
 side, as q/k/v fused from tensors of different types); :class:`QuantEmbedding` looks up rows of a
@@ -32,7 +39,7 @@ from worker_svc.cpu import build
 log = logging.getLogger("pagewire.worker")
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "quant.c"
-_ABI = 1
+_ABI = 2
 GROUP = 32  # output columns of a packed group (csrc/quant.c)
 QK = 32  # weights of a block
 
@@ -157,6 +164,11 @@ class QuantKernel:
         self.pack.restype = None
         self.pack.argtypes = [c_int, p, i64, i64, p]
         self.simd = int(lib.quant_simd())
+        self._linear_bf16 = lib.quant_linear_bf16
+        self._linear_bf16.restype = None
+        self._linear_bf16.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
+        # bf16 activations on AVX-512 BF16 dot products (else a portable loop, for tests)
+        self.bf16_simd = bool(lib.quant_bf16_simd())
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,6 +185,25 @@ class QuantKernel:
         if m:
             self._linear(btype.id, x.data_ptr(), x.stride(0), packed.data_ptr(),
                          None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), m, out_features, k)
+        return out
+
+    def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
+                    bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] bf16 -> [M, N] bf16, the weights rounded to bf16 and sums in fp32 (``bias`` fp32),
+        into ``out`` (bf16, contiguous rows) when given."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(f"the quantized bf16 CPU linear takes bfloat16 CPU inputs, got {x.dtype} on {x.device}")
+        if k % QK or packed.numel() != padded_columns(out_features) * k // QK * btype.block_bytes:
+            raise ValueError(f"input [{m}, {k}] does not fit a packed {btype.name} weight of {out_features} outputs")
+        if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:  # the kernel reads x in aligned pairs
+            x = x.clone(memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty((m, out_features), dtype=torch.bfloat16)
+        if m:
+            self._linear_bf16(btype.id, x.data_ptr(), x.stride(0), packed.data_ptr(),
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), m,
+                              out_features, k)
         return out
 
     def rows(self, packed: torch.Tensor, btype: BlockType, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -200,8 +231,9 @@ class QuantPart(NamedTuple):
 
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with W kept as packed blocks, one or several parts side by side along the
-    outputs (``parts``: q, k and v, or gate and up, when their types differ); x, y and b fp32.
-    Input [..., in] -> [..., out]."""
+    outputs (``parts``: q, k and v, or gate and up, when their types differ); b fp32, x and y in
+    ``compute_dtype``: fp32, or bf16 (set by :func:`compute_quantized_model` where the kernel has
+    AVX-512 BF16). Input [..., in] -> [..., out]."""
 
     def __init__(self, parts: list[QuantPart], in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -213,6 +245,7 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"packed_{i}", part.packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         self.lib = kernel()
+        self.compute_dtype = torch.float32
 
     def parts(self) -> list[QuantPart]:
         return [QuantPart(t, getattr(self, f"packed_{i}"), n) for i, (t, n) in enumerate(zip(self.types, self.sizes))]
@@ -225,28 +258,30 @@ class QuantLinear(nn.Module):
         if x.dim() != 2:
             shape = x.shape
             return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
-        x = x.float()
         if self.lib is None:
-            return F.linear(x, self.dequantized(), self.bias)
+            return F.linear(x.float(), self.dequantized(), self.bias)
+        x = x.to(self.compute_dtype)
+        linear = self.lib.linear_bf16 if self.compute_dtype == torch.bfloat16 else self.lib.linear
         parts = self.parts()
         if len(parts) == 1:
-            return self.lib.linear(x, parts[0].packed, parts[0].btype, self.out_features, self.bias)
-        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+            return linear(x, parts[0].packed, parts[0].btype, self.out_features, self.bias)
+        out = torch.empty((x.shape[0], self.out_features), dtype=self.compute_dtype)
         start = 0
         for part in parts:
             bias = None if self.bias is None else self.bias[start : start + part.out_features]
-            self.lib.linear(x, part.packed, part.btype, part.out_features, bias,
-                            out=out[:, start : start + part.out_features])
+            linear(x, part.packed, part.btype, part.out_features, bias, out=out[:, start : start + part.out_features])
             start += part.out_features
         return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"weight={'+'.join(t.name for t in self.types)}, compute=fp32")
+                f"weight={'+'.join(t.name for t in self.types)}, "
+                f"compute={'bf16 dot products' if self.compute_dtype == torch.bfloat16 else 'fp32'}")
 
 
 class QuantEmbedding(nn.Module):
-    """ids [T] -> [T, hidden] fp32, the rows of a packed table dequantized on lookup. ``head``
+    """ids [T] -> [T, hidden] in the head's ``compute_dtype``, the rows of a packed table
+    dequantized on lookup (fp32, then cast: bf16 rows are the dense bf16 table's). ``head``
     multiplies by the same table (a tied output head)."""
 
     def __init__(self, head: QuantLinear):
@@ -259,8 +294,10 @@ class QuantEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         part = self.head.parts()[0]
         if self.head.lib is None:
-            return F.embedding(input_ids, dequantize_ref(part.packed, part.btype, self.num_embeddings, self.embedding_dim))
-        return self.head.lib.rows(part.packed, part.btype, input_ids, self.num_embeddings, self.embedding_dim)
+            rows = F.embedding(input_ids, dequantize_ref(part.packed, part.btype, self.num_embeddings, self.embedding_dim))
+        else:
+            rows = self.head.lib.rows(part.packed, part.btype, input_ids, self.num_embeddings, self.embedding_dim)
+        return rows.to(self.head.compute_dtype)
 
 
 def quantized_linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
@@ -282,7 +319,7 @@ class PaddedInput(nn.Module):
         self.linear, self.in_features, self.out_features = linear, in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(F.pad(x.float(), (0, self.linear.in_features - self.in_features)))
+        return self.linear(F.pad(x, (0, self.linear.in_features - self.in_features)))
 
 
 def quantize_model_int8(model: nn.Module) -> int:
@@ -329,13 +366,33 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) for m in model.modules())
 
 
-def compute_quantized_model_in_fp32(model: nn.Module) -> str:
-    """Make a model with quantized linears compute in fp32, as its dequantized fp32 copy does:
-    every other parameter and floating buffer becomes fp32 (norms, dense linears and tables),
-    rotary tables are recomputed in fp32; the KV cache keeps the model's dtype. Returns what the
-    linears run on, for the log."""
+def bf16_kernel_available() -> bool:
+    """Whether a quantized linear multiplies bf16 activations natively here: the CPU has AVX-512
+    BF16 and the kernel was built with it."""
+    from worker_svc.cpu.features import cpu_info
+
+    lib = kernel()
+    return lib is not None and lib.bf16_simd and "avx512_bf16" in cpu_info().flags
+
+
+def compute_quantized_model(model: nn.Module, dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """Make a model with quantized linears compute in ``dtype`` where the kernel multiplies it:
+    bf16 where :func:`bf16_kernel_available` (every quantized linear, the embedding lookup and the
+    head take and return bf16; the other parameters stay as loaded, in bf16, as in the dense bf16
+    model), else fp32, as its dequantized fp32 copy does: every other parameter and floating buffer
+    becomes fp32 (norms, dense linears and tables), rotary tables are recomputed in fp32. The KV
+    cache keeps ``dtype`` either way. Returns the dtype it computes in and, for the log, what the
+    linears run on."""
+    from worker_svc.cpu.features import cpu_info
     from worker_svc.layers.rotary import RotaryEmbedding
 
+    types = sorted({t.name for m in model.modules() if isinstance(m, QuantLinear) for t in m.types})
+    lib, isa = kernel(), cpu_info().isa
+    if dtype == torch.bfloat16 and bf16_kernel_available():
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.compute_dtype = torch.bfloat16
+        return torch.bfloat16, f"quantized {'/'.join(types)} weights, bf16 arithmetic (C kernel, AVX-512 BF16 dot products, {isa})"
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             continue
@@ -346,10 +403,10 @@ def compute_quantized_model_in_fp32(model: nn.Module) -> str:
                 setattr(module, name, buffer.float())
         if isinstance(module, RotaryEmbedding):
             module.reset_parameters()
-    types = sorted({t.name for m in model.modules() if isinstance(m, QuantLinear) for t in m.types})
-    from worker_svc.cpu.features import cpu_info
-
-    lib = kernel()
     where = "no C compiler: dequantized per call" if lib is None else (
-        f"C kernel, {lib.simd}-bit vectors, {cpu_info().isa}" if lib.simd else "C kernel, portable build")
-    return f"quantized {'/'.join(types)} weights, fp32 arithmetic ({where})"
+        f"C kernel, {lib.simd}-bit vectors, {isa}" if lib.simd else "C kernel, portable build")
+    why = ""
+    if dtype == torch.bfloat16:
+        why = ("; --dtype bfloat16 computes in fp32 here, as this CPU has no AVX-512 BF16" if "avx512_bf16" not in
+               cpu_info().flags else "; --dtype bfloat16 computes in fp32 here, as the kernel was built without AVX-512 BF16")
+    return torch.float32, f"quantized {'/'.join(types)} weights, fp32 arithmetic ({where}){why}"

@@ -1,5 +1,7 @@
-/* y = x W^T + b on CPU with W kept in a 4- or 8-bit block format (GGUF Q4_0, Q4_1, Q8_0), x, y
- * and b float32; each weight is dequantized to fp32 in registers and multiplied by an fp32 FMA.
+/* y = x W^T + b on CPU with W kept in a 4- or 8-bit block format (GGUF Q4_0, Q4_1, Q8_0), b
+ * float32, x and y float32 (quant_linear: each weight dequantized to fp32 in registers and
+ * multiplied by an fp32 FMA) or bfloat16 (quant_linear_bf16, on AVX-512 BF16: the fp32 weight
+ * rounded to bf16 and multiplied by vdpbf16ps dot products, below).
  *
  * A block holds 32 consecutive weights of one output row with an fp16 scale d (and for Q4_1 an
  * fp16 offset m): Q4_0 w = (q - 8) d, q in 0..15; Q4_1 w = q d + m, q in 0..15; Q8_0 w = q d, q in
@@ -293,6 +295,305 @@ static float *group_buffer(int64_t floats) {
 }
 #endif /* SIMD */
 
+/* ---- bf16 activations: y = x W^T + b with x and y bf16, b fp32, on AVX-512 BF16 dot products ----
+ *
+ * Each weight is dequantized to fp32 exactly as above (the same instructions), rounded to bf16 to
+ * nearest even (vcvtne2ps2bf16; the weights are multiples of 2^-24, never fp32 denormals, so they
+ * are bit for bit torch's cast of the dequantized fp32 weight to bf16), and multiplied with
+ * vdpbf16ps, sums in fp32. A tile's pair t of k (2t, 2t + 1) is one 4-bit quant row (its low and
+ * high nibbles) or two 8-bit rows; 16 columns of it become one vector of bf16 pairs, lane j =
+ * W[j][2t] | W[j][2t + 1] << 16: the 32 bf16 of the two rounded fp32 vectors interleaved (one
+ * vpermw). Each output sums the pairs of even index q in one accumulator and the odd ones in a
+ * second, then adds the two, then the bias, rounded to bf16 once: worker_svc/cpu/csrc/linear.c's
+ * vdpbf16ps kernel does the same, so on a CPU where the dense bf16 model runs that kernel a
+ * quantized bf16 linear returns bit for bit what the dense one does with the same weights; and the
+ * order does not depend on the number of rows, nor on whether the weights come from registers or
+ * the buffer below.
+ *
+ * Rows: up to BF_DIRECT_ROWS rows dequantize each tile in registers; more rows dequantize a
+ * group's whole k range once into a per-thread buffer of bf16 pairs ([k / 2][32] uint32: 64 k
+ * bytes, 36 KiB at k = 576, in L1/L2) and multiply blocks of BF_MRB rows by it. */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_BF16 1
+#define BF_DIRECT_ROWS 4 /* 4 accumulators per row: 2 column vectors x even/odd pairs */
+#ifndef BF_MRB
+#define BF_MRB 6 /* rows per block from the buffer: 24 accumulators */
+#endif
+
+/* vpermw indices: element 2j <- j (pair's first, from the low half), 2j + 1 <- 16 + j */
+static inline __m512i pair_interleave(void) {
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                            19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+/* Columns [16 v, 16 v + 16) of pair t of a tile (quants at qs) as bf16 pairs; d, m as in group_direct. */
+static inline __attribute__((always_inline)) __m512i tile_pair(const int type, const uint8_t *qs, int t, int v,
+                                                               __m512 d, __m512 m, __m512i interleave) {
+    __m512 w0, w1;
+    if (type == Q8_0) {
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(VI_S8(qs + 2 * t * GROUP + v * 16)), d);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(VI_S8(qs + (2 * t + 1) * GROUP + v * 16)), d);
+    } else {
+        const __m512i q = VI_U8(qs + t * GROUP + v * 16);
+        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(VI_LOW(q)), d, m);
+        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(VI_HIGH(q)), d, m);
+    }
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+}
+
+/* The scale (and offset) vectors of a tile's column vector v. */
+static inline __attribute__((always_inline)) void tile_scales(const int type, const uint8_t *tile, int v, __m512 *d,
+                                                              __m512 *m) {
+    *d = VF_HALF(tile + 2 * v * 16);
+    *m = type == Q4_1 ? VF_HALF(tile + 2 * GROUP + 2 * v * 16) : _mm512_mul_ps(*d, _mm512_set1_ps(-8.0f));
+}
+
+/* acc[r] even + odd (+ bias) -> bf16 into y's columns [col, col + cols) of mr rows. */
+static inline __attribute__((always_inline)) void store_bf16_rows(const __m512 *even, const __m512 *odd, int mr,
+                                                                  uint16_t *y, int64_t y_stride, const float *bias,
+                                                                  int64_t col, int64_t cols) {
+    for (int v = 0; v < 2; v++) {
+        const int64_t count = cols - 16 * v < 16 ? cols - 16 * v : 16;
+        if (count <= 0) break;
+        const __mmask16 valid = (__mmask16)((1u << count) - 1);
+        const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + col + 16 * v) : _mm512_setzero_ps();
+        for (int r = 0; r < mr; r++) {
+            __m512 sum = _mm512_add_ps(even[2 * r + v], odd[2 * r + v]);
+            if (bias) sum = _mm512_add_ps(sum, add);
+            _mm256_mask_storeu_epi16(y + r * y_stride + col + 16 * v, valid, (__m256i)_mm512_cvtneps_pbh(sum));
+        }
+    }
+}
+
+/* mr rows of x (bf16 pairs, rows x_stride pairs apart) times one group (nb tiles), each tile's
+ * pairs made in registers. */
+static inline __attribute__((always_inline)) void group_direct_bf16(
+    const int type, const uint32_t *x, int64_t x_stride, const uint8_t *tiles, int64_t nb, const int mr,
+    uint16_t *y, int64_t y_stride, const float *bias, int64_t col, int64_t cols) {
+    const int64_t tb = tile_bytes(type);
+    const __m512i interleave = pair_interleave();
+    __m512 even[2 * BF_DIRECT_ROWS], odd[2 * BF_DIRECT_ROWS];
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * BF_DIRECT_ROWS; i++) even[i] = odd[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
+        const uint32_t *xb = x + b * (QK / 2);
+        __m512 d0, m0, d1, m1;
+        tile_scales(type, tile, 0, &d0, &m0);
+        tile_scales(type, tile, 1, &d1, &m1);
+#pragma GCC unroll 2
+        for (int t = 0; t < QK / 2; t += 2) {
+            const __m512bh e0 = (__m512bh)tile_pair(type, qs, t, 0, d0, m0, interleave);
+            const __m512bh e1 = (__m512bh)tile_pair(type, qs, t, 1, d1, m1, interleave);
+            const __m512bh o0 = (__m512bh)tile_pair(type, qs, t + 1, 0, d0, m0, interleave);
+            const __m512bh o1 = (__m512bh)tile_pair(type, qs, t + 1, 1, d1, m1, interleave);
+#pragma GCC unroll 16
+            for (int r = 0; r < BF_DIRECT_ROWS; r++)
+                if (r < mr) {
+                    const __m512bh xe = (__m512bh)_mm512_set1_epi32((int)xb[r * x_stride + t]);
+                    const __m512bh xo = (__m512bh)_mm512_set1_epi32((int)xb[r * x_stride + t + 1]);
+                    even[2 * r] = _mm512_dpbf16_ps(even[2 * r], e0, xe);
+                    even[2 * r + 1] = _mm512_dpbf16_ps(even[2 * r + 1], e1, xe);
+                    odd[2 * r] = _mm512_dpbf16_ps(odd[2 * r], o0, xo);
+                    odd[2 * r + 1] = _mm512_dpbf16_ps(odd[2 * r + 1], o1, xo);
+                }
+        }
+    }
+    store_bf16_rows(even, odd, mr, y, y_stride, bias, col, cols);
+}
+
+#define DIRECT_BF16_TYPE(NAME, TYPE)                                                                       \
+    static void NAME(const uint32_t *x, int64_t xs, const uint8_t *tiles, int64_t nb, int mr, uint16_t *y,   \
+                     int64_t ys, const float *bias, int64_t col, int64_t cols) {                           \
+        switch (mr) {                                                                                      \
+        case 1: group_direct_bf16(TYPE, x, xs, tiles, nb, 1, y, ys, bias, col, cols); break;                \
+        case 2: group_direct_bf16(TYPE, x, xs, tiles, nb, 2, y, ys, bias, col, cols); break;                \
+        case 3: group_direct_bf16(TYPE, x, xs, tiles, nb, 3, y, ys, bias, col, cols); break;                \
+        default: group_direct_bf16(TYPE, x, xs, tiles, nb, BF_DIRECT_ROWS, y, ys, bias, col, cols); break;  \
+        }                                                                                                  \
+    }
+DIRECT_BF16_TYPE(direct_bf16_q4_0, Q4_0)
+DIRECT_BF16_TYPE(direct_bf16_q4_1, Q4_1)
+DIRECT_BF16_TYPE(direct_bf16_q8_0, Q8_0)
+
+/* One group (nb tiles) as bf16 pairs into buf [nb * 16][32]. */
+static inline __attribute__((always_inline)) void group_pairs(const int type, const uint8_t *tiles, int64_t nb,
+                                                              uint32_t *buf) {
+    const int64_t tb = tile_bytes(type);
+    const __m512i interleave = pair_interleave();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
+        uint32_t *out = buf + b * (QK / 2) * GROUP;
+        __m512 d0, m0, d1, m1;
+        tile_scales(type, tile, 0, &d0, &m0);
+        tile_scales(type, tile, 1, &d1, &m1);
+#pragma GCC unroll 4
+        for (int t = 0; t < QK / 2; t++) {
+            _mm512_store_si512(out + t * GROUP, tile_pair(type, qs, t, 0, d0, m0, interleave));
+            _mm512_store_si512(out + t * GROUP + 16, tile_pair(type, qs, t, 1, d1, m1, interleave));
+        }
+    }
+}
+
+static void pairs_of_group(int type, const uint8_t *tiles, int64_t nb, uint32_t *buf) {
+    switch (type) {
+    case Q4_0: group_pairs(Q4_0, tiles, nb, buf); break;
+    case Q4_1: group_pairs(Q4_1, tiles, nb, buf); break;
+    default: group_pairs(Q8_0, tiles, nb, buf); break;
+    }
+}
+
+/* mr rows of x (bf16 pairs) times a group's pairs buf [kp][32] (kp even). Touches two lines,
+ * `step` bytes apart per two pairs from `prefetch` (the next group's tiles), unconditionally: a
+ * branch here would put the accumulators in memory. */
+static inline __attribute__((always_inline)) void pair_buffer_rows(const uint32_t *x, int64_t x_stride,
+                                                                   const uint32_t *buf, int64_t kp, const int mr,
+                                                                   uint16_t *y, int64_t y_stride, const float *bias,
+                                                                   int64_t col, int64_t cols, const char *prefetch,
+                                                                   int64_t step) {
+    __m512 even[2 * BF_MRB], odd[2 * BF_MRB];
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * BF_MRB; i++) even[i] = odd[i] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < kp; q += 2) {
+        _mm_prefetch(prefetch + (q / 2) * step, _MM_HINT_T0);
+        _mm_prefetch(prefetch + (q / 2) * step + 64, _MM_HINT_T0);
+        const __m512bh e0 = (__m512bh)_mm512_load_si512(buf + q * GROUP);
+        const __m512bh e1 = (__m512bh)_mm512_load_si512(buf + q * GROUP + 16);
+        const __m512bh o0 = (__m512bh)_mm512_load_si512(buf + (q + 1) * GROUP);
+        const __m512bh o1 = (__m512bh)_mm512_load_si512(buf + (q + 1) * GROUP + 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < BF_MRB; r++)
+            if (r < mr) {
+                const __m512bh xe = (__m512bh)_mm512_set1_epi32((int)x[r * x_stride + q]);
+                const __m512bh xo = (__m512bh)_mm512_set1_epi32((int)x[r * x_stride + q + 1]);
+                even[2 * r] = _mm512_dpbf16_ps(even[2 * r], e0, xe);
+                even[2 * r + 1] = _mm512_dpbf16_ps(even[2 * r + 1], e1, xe);
+                odd[2 * r] = _mm512_dpbf16_ps(odd[2 * r], o0, xo);
+                odd[2 * r + 1] = _mm512_dpbf16_ps(odd[2 * r + 1], o1, xo);
+            }
+    }
+    store_bf16_rows(even, odd, mr, y, y_stride, bias, col, cols);
+}
+
+static void pair_buffer_block(const uint32_t *x, int64_t xs, const uint32_t *buf, int64_t kp, int mr, uint16_t *y,
+                              int64_t ys, const float *bias, int64_t col, int64_t cols, const char *pf, int64_t step) {
+    switch (mr) {
+    case 1: pair_buffer_rows(x, xs, buf, kp, 1, y, ys, bias, col, cols, pf, step); break;
+    case 2: pair_buffer_rows(x, xs, buf, kp, 2, y, ys, bias, col, cols, pf, step); break;
+    case 3: pair_buffer_rows(x, xs, buf, kp, 3, y, ys, bias, col, cols, pf, step); break;
+    case 4: pair_buffer_rows(x, xs, buf, kp, 4, y, ys, bias, col, cols, pf, step); break;
+    case 5: pair_buffer_rows(x, xs, buf, kp, 5, y, ys, bias, col, cols, pf, step); break;
+    default: pair_buffer_rows(x, xs, buf, kp, BF_MRB, y, ys, bias, col, cols, pf, step); break;
+    }
+}
+
+static __thread uint32_t *thread_pairs;
+static __thread int64_t thread_pairs_words;
+
+static uint32_t *pairs_buffer(int64_t words) {
+    if (thread_pairs_words < words) {
+        free(thread_pairs);
+        thread_pairs = aligned_alloc(64, (size_t)words * sizeof(uint32_t));
+        thread_pairs_words = thread_pairs ? words : 0;
+    }
+    return thread_pairs;
+}
+#else
+#define HAVE_BF16 0
+#endif
+
+static inline float bf16_value(float f) { /* round to nearest even, as torch's cast (finite f) */
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1)) & 0xffff0000u;
+    return v.f;
+}
+
+/* x [m, k] bf16 (rows x_stride elements apart, x_stride even; k a multiple of 32), W [n, k] packed
+ * in `type` as above, bias [n] fp32 or NULL -> y [m, n] bf16 (rows y_stride apart). Without AVX-512
+ * BF16, a portable loop with the same weights and pairing (each pair's two products summed in fp32). */
+void quant_linear_bf16(int type, const uint16_t *x, int64_t x_stride, const uint8_t *packed, const float *bias,
+                       uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    if (m <= 0 || n <= 0) return;
+    const int64_t nb = k / QK, groups = (n + GROUP - 1) / GROUP, group_bytes = nb * tile_bytes(type);
+#if HAVE_BF16
+    const uint32_t *xp = (const uint32_t *)x;
+    const int64_t xs = x_stride / 2, ys = y_stride, kp = k / 2;
+    void (*direct)(const uint32_t *, int64_t, const uint8_t *, int64_t, int, uint16_t *, int64_t, const float *,
+                   int64_t, int64_t) = type == Q4_0 ? direct_bf16_q4_0 : type == Q4_1 ? direct_bf16_q4_1 : direct_bf16_q8_0;
+    if (m <= BF_DIRECT_ROWS) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
+            direct(xp, xs, packed + g * group_bytes, nb, (int)m, y, ys, bias, col, cols);
+        }
+        return;
+    }
+    int64_t max_rows = CHUNK_BYTES / (2 * (k > 0 ? k : 1)) / BF_MRB * BF_MRB;
+    if (max_rows < BF_MRB) max_rows = BF_MRB;
+    const int64_t num_chunks = (m + max_rows - 1) / max_rows;
+    const int64_t chunk = num_chunks > 1 ? ((m + num_chunks - 1) / num_chunks + BF_MRB - 1) / BF_MRB * BF_MRB : m;
+    #pragma omp parallel
+    {
+        uint32_t *buf = pairs_buffer(kp * GROUP);
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            const int64_t num_blocks = (m1 - m0 + BF_MRB - 1) / BF_MRB;
+            /* the next group's tiles are prefetched across all the row blocks of this one, a
+             * 1/num_blocks share each, so their stream from memory overlaps the dot products (the
+             * weights come from memory: without it, 32 rows took 1.6x as long) */
+            const int64_t step = (group_bytes + num_blocks * (kp / 2) - 1) / (num_blocks * (kp / 2));
+            #pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
+                if (!buf) { /* no memory for the buffer: pairs in registers, a few rows at a time */
+                    for (int64_t r0 = m0; r0 < m1; r0 += BF_DIRECT_ROWS) {
+                        const int mr = (int)(m1 - r0 < BF_DIRECT_ROWS ? m1 - r0 : BF_DIRECT_ROWS);
+                        direct(xp + r0 * xs, xs, packed + g * group_bytes, nb, mr, y + r0 * ys, ys, bias, col, cols);
+                    }
+                    continue;
+                }
+                pairs_of_group(type, packed + g * group_bytes, nb, buf);
+                const char *next = (const char *)packed + (g + 1 < groups ? g + 1 : g) * group_bytes;
+                for (int64_t b = 0, r0 = m0; b < num_blocks; b++) {
+                    const int mr = (int)((m1 - m0) / num_blocks + (b < (m1 - m0) % num_blocks));
+                    pair_buffer_block(xp + r0 * xs, xs, buf, kp, mr, y + r0 * ys, ys, bias, col, cols,
+                                      next + b * (kp / 2) * step, step);
+                    r0 += mr;
+                }
+            }
+        }
+    }
+#else
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int j = 0; j < GROUP && g * GROUP + j < n; j++) {
+            for (int64_t r = 0; r < m; r++) {
+                float sums[2] = {0.0f, 0.0f};
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *tile = packed + (g * group_bytes + b * tile_bytes(type));
+                    for (int kk = 0; kk < QK; kk += 2) {
+                        union { uint32_t u; float f; } x0, x1;
+                        x0.u = (uint32_t)x[r * x_stride + b * QK + kk] << 16;
+                        x1.u = (uint32_t)x[r * x_stride + b * QK + kk + 1] << 16;
+                        sums[(kk / 2) & 1] += x0.f * bf16_value(tile_weight(type, tile, j, kk)) +
+                                              x1.f * bf16_value(tile_weight(type, tile, j, kk + 1));
+                    }
+                }
+                float out = sums[0] + sums[1];
+                if (bias) out += bias[g * GROUP + j];
+                union { float f; uint32_t u; } o;
+                o.f = out;
+                y[r * y_stride + g * GROUP + j] = (uint16_t)((o.u + 0x7fffu + ((o.u >> 16) & 1)) >> 16);
+            }
+        }
+    }
+#endif
+}
+
+/* 1 when quant_linear_bf16 runs on AVX-512 BF16 dot products, 0 for its portable loop. */
+int quant_bf16_simd(void) { return HAVE_BF16; }
+
 /* The portable path: the same weights, each output summed in order along k. */
 static void linear_portable(int type, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias,
                             float *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
@@ -415,4 +716,4 @@ void quant_rows(int type, const uint8_t *packed, const int64_t *ids, int64_t cou
 int quant_simd(void) { return SIMD; }
 
 /* The ABI version worker_svc/cpu/quantized.py expects; bump it when a signature changes. */
-int pagewire_cpu_quant_abi(void) { return 1; }
+int pagewire_cpu_quant_abi(void) { return 2; }
