@@ -2,18 +2,19 @@
 
   * a model pass through SmolLM2-135M's linears (4 per layer x 30 layers and the head, each with
     weights of its own, far past the caches) at 1 row (one stream's decode step) and more: Q4_1
-    linears with a Q8_0 head (the embedded file's types), all Q8_0 (``--quantization int8``), the
-    kernel's bf16 pairs (where the CPU has AVX-512 BF16) and fp32 packed for oneDNN; µs and the
-    GB/s of weights read;
+    linears with a Q8_0 head (the embedded file's types) and all Q8_0 (``--quantization int8``),
+    each with fp32 activations and (where the CPU has AVX-512 BF16) bf16 ones, the dense kernel's
+    bf16 pairs (there too) and fp32 packed for oneDNN; µs and the GB/s of weights read;
   * offline one-stream decode of the embedded model, ``pagewire.LLM``, one prompt, 128 greedy new
-    tokens: served from its GGUF blocks against its dequantized copy in bf16 (and fp32), in
-    alternating rounds; tok/s of the whole ``generate`` (its 6-token prefill is about one step);
+    tokens: served from its GGUF blocks (``--dtype auto``, and fp32) against its dequantized copy
+    in bf16 and fp32, in alternating rounds; tok/s of the whole ``generate`` (its 6-token prefill
+    is about one step);
   * offline throughput at 32 streams (32 distinct prompts x 64 greedy new tokens, one
-    ``generate``), the same servings alternated: many rows per step, where the quantized kernel
-    multiplies in fp32 and bf16 uses the CPU's bf16 dot products;
-  * greedy agreement on SmolLM2: the quantized model (KV cache in fp32 and in ``--dtype auto``)
-    against the dequantized fp32 model over a few prompts: the share of identical tokens
-    position by position, and where each prompt first differs.
+    ``generate``), the same servings alternated (the dequantized fp32 one left out): many rows per
+    step, where the kernel's arithmetic (bf16 dot products or fp32 FMAs) decides;
+  * greedy agreement on SmolLM2: the quantized model (fp32, and ``--dtype auto``) and the
+    dequantized bf16 model against the dequantized fp32 model over a few prompts: the share of
+    identical tokens position by position, and where each prompt first differs.
 
     python benchmarks/cpu_quantized.py --json docs/bench/cpu-quantized-avx512-zen5.json
 """
@@ -38,6 +39,10 @@ from worker_svc.cpu.linear import kernel as linear_kernel
 NUM_LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEAD = (49152, 576)
+SERVINGS = {"quantized (GGUF blocks, --dtype auto)": {},
+            "quantized fp32": {"gguf_weights": "quantized", "dtype": "float32"},
+            "dequantized bf16": {"gguf_weights": "dequantize", "dtype": "bfloat16"},
+            "dequantized fp32": {"gguf_weights": "dequantize", "dtype": "float32"}}
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
            "Explain photosynthesis to a child.", "List three uses of a paperclip."]
 
@@ -49,6 +54,8 @@ def linear_pass(rows: int, repeats: int) -> dict:
     xs = {k: torch.randn(rows, k) for k in (576, 1536)}
     cases = {}
     lib = Q.kernel()
+    native_bf16 = lib.bf16_simd and "avx512_bf16" in cpu_info().flags
+    xb = {k: x.bfloat16() for k, x in xs.items()}
     for name, types in (("Q4_1 (Q8_0 head)", (Q.Q4_1, Q.Q8_0)), ("Q8_0", (Q.Q8_0, Q.Q8_0))):
         mats = []
         for i, (n, k) in enumerate(shapes):
@@ -61,12 +68,14 @@ def linear_pass(rows: int, repeats: int) -> dict:
 
                 blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_1))
             mats.append((Q.pack_blocks(blocks, btype, n, k), btype, n, k))
-        cases[name] = (lambda mats=mats: [lib.linear(xs[k], p, t, n, None) for p, t, n, k in mats],
-                       sum(p.numel() for p, *_ in mats))
+        nbytes = sum(p.numel() for p, *_ in mats)
+        cases[f"{name} fp32"] = (lambda mats=mats: [lib.linear(xs[k], p, t, n, None) for p, t, n, k in mats], nbytes)
+        if native_bf16:
+            cases[f"{name} bf16"] = (lambda mats=mats: [lib.linear_bf16(xb[k], p, t, n, None) for p, t, n, k in mats],
+                                     nbytes)
     kern = linear_kernel()
     if kern is not None and "avx512_bf16" in cpu_info().flags:
         packs = [(kern.pack_pairs(torch.randn(n, k).bfloat16()), n, k) for n, k in shapes]
-        xb = {k: x.bfloat16() for k, x in xs.items()}
         cases["bf16 pairs"] = (lambda: [kern.linear_pairs(xb[k], p, n, None) for p, n, k in packs],
                                sum(p.numel() * 4 for p, *_ in packs))
     if mkldnn_linear_available():
@@ -85,10 +94,7 @@ def decode_rates(rounds: int, new_tokens: int, threads: int | None) -> dict:
     from pagewire import LLM
     from pagewire_common.sampling import SamplingParams
 
-    servings = {"quantized (GGUF blocks, --dtype auto)": {},
-                "dequantized bf16": {"gguf_weights": "dequantize", "dtype": "bfloat16"},
-                "dequantized fp32": {"gguf_weights": "dequantize", "dtype": "float32"}}
-    llms = {name: LLM(num_threads=threads, **kw) for name, kw in servings.items()}
+    llms = {name: LLM(num_threads=threads, **kw) for name, kw in SERVINGS.items()}
     many = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rates = {name: [] for name in llms}
     for name, llm in llms.items():  # warm up
@@ -108,8 +114,7 @@ def streams_rates(rounds: int, streams: int, new_tokens: int, threads: int | Non
     from pagewire import LLM
     from pagewire_common.sampling import SamplingParams
 
-    servings = {"quantized (GGUF blocks, --dtype auto)": {},
-                "dequantized bf16": {"gguf_weights": "dequantize", "dtype": "bfloat16"}}
+    servings = {name: kw for name, kw in SERVINGS.items() if name != "dequantized fp32"}
     llms = {name: LLM(enable_prefix_caching=False, num_threads=threads, **kw) for name, kw in servings.items()}
     prompts = [f"Question {i}: what do you know about the number {i * 7 + 3}?" for i in range(streams)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -127,15 +132,17 @@ def streams_rates(rounds: int, streams: int, new_tokens: int, threads: int | Non
 
 
 def agreement(new_tokens: int) -> dict:
-    """Greedy tokens of the quantized model against the dequantized fp32 model, per prompt."""
+    """Greedy tokens of the quantized model (and the dequantized bf16 one) against the dequantized
+    fp32 model, per prompt."""
     from pagewire import LLM
     from pagewire_common.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outputs = {}
     for name, kw in (("fp32 dequantized", {"gguf_weights": "dequantize", "dtype": "float32"}),
-                     ("quantized, fp32 KV", {"gguf_weights": "quantized", "dtype": "float32"}),
-                     ("quantized, --dtype auto KV", {"gguf_weights": "quantized"})):
+                     ("quantized fp32", {"gguf_weights": "quantized", "dtype": "float32"}),
+                     ("quantized, --dtype auto", {"gguf_weights": "quantized"}),
+                     ("dequantized bf16", {"gguf_weights": "dequantize", "dtype": "bfloat16"})):
         with LLM(**kw) as llm:
             outputs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]
     reference = outputs.pop("fp32 dequantized")
@@ -171,7 +178,7 @@ def main() -> int:
         result["linear_pass"] = {int(r): linear_pass(int(r), args.repeats) for r in args.rows.split(",")}
         for rows, cases in result["linear_pass"].items():
             for name, figures in cases.items():
-                print(f"{rows:>4} rows  {name:<18} {figures['us']:>10.0f} us  {figures['gb_per_s']:>6.1f} GB/s", flush=True)
+                print(f"{rows:>4} rows  {name:<24} {figures['us']:>10.0f} us  {figures['gb_per_s']:>6.1f} GB/s", flush=True)
     if "decode" not in skip:
         result["one_stream_decode_tok_s"] = decode_rates(args.rounds, args.new_tokens, args.threads)
         for name, rates in result["one_stream_decode_tok_s"].items():
