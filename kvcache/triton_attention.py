@@ -111,10 +111,14 @@ def _kernel_config(decode_like: bool, group_pad: int, head_dim_pad: int, is_fp32
     return Tiles(block_m, block_n, num_warps, num_stages)
 
 
-# Integers that change from step to step are plain arguments that Triton must not specialize on (it
-# would compile a kernel for 1, for multiples of 16 and for the rest): a step of a new shape must not
-# wait for a compile. What does select a variant is a constexpr, and ``warm_up`` compiles them all.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+# Triton compiles a kernel per value class of each integer argument (1, a multiple of 16, the rest).
+# The integers that change from step to step, or that the warm-up's dummy batch cannot match (the
+# query's and block table's strides), are left unspecialized: a step of a new shape must not wait for
+# a compile. The cache's strides stay specialized (the K/V loads are vectorized on them), and
+# ``warm_up`` runs on the cache itself. What does select a variant is a constexpr, and ``warm_up``
+# compiles them all.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "num_heads", "stride_qt", "stride_qh", "stride_ot",
+                               "stride_oh", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [T, H, D] (not SPLIT)
     part_m_ptr,  # [T, H, num_splits] fp32 running max (log2 domain) per split (SPLIT)
@@ -252,7 +256,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "num_heads", "stride_ot", "stride_oh"])
 def _merge_splits_kernel(
     out_ptr,  # [T, H, D]
     part_m_ptr,  # [T, H, num_splits]
@@ -450,13 +454,16 @@ def paged_attention_triton(
     return out
 
 
-def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-            device: torch.device) -> int:
-    """Compile every kernel variant a model of this shape can launch, so that no step waits for
-    Triton's compiler (hundreds of milliseconds each on a fresh machine): decodes, prefill chunks of
-    one query block and of several, each unsplit and split, and the wide key tiles of long GQA
-    decodes. One sequence of tiny dummy tensors per variant; the number of launches is returned."""
-    check_device(torch.device(device))
+def warm_up(num_heads: int, kv_layer: torch.Tensor) -> int:
+    """Compile every kernel variant that attention over ``kv_layer`` (one layer of the cache,
+    [2, num_blocks, block_size, Hkv, D]) with ``num_heads`` query heads can launch, so that no step
+    waits for Triton's compiler (hundreds of milliseconds each on a fresh machine): decodes, prefill
+    chunks of one query block and of several, each unsplit and split, and the wide key tiles of long
+    GQA decodes. One sequence per variant reads blocks of the cache itself (its strides are what the
+    kernels specialize on) and the output is dropped. Returns the number of launches."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+    dtype, device = kv_layer.dtype, kv_layer.device
+    check_device(device)
     group_pad = _next_pow2(num_heads // num_kv_heads)
     head_dim_pad = _next_pow2(max(head_dim, 16))
     is_fp32 = dtype == torch.float32
@@ -465,11 +472,11 @@ def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, d
     decode = _kernel_config(True, group_pad, head_dim_pad, is_fp32)
     wide = _wide_key_tiles(decode, True, group_pad, head_dim_pad, is_fp32, _WIDE_TILE_MIN_KEYS)
     seq_len = prefill_block_q + 1 + 2 * max(decode.block_n, wide.block_n)  # room for 2 splits of whole tiles
-    num_blocks = -(-seq_len // block_size)
-    kv_layer = torch.zeros((2, num_blocks + 1, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-    block_table = torch.arange(1, num_blocks + 1, dtype=torch.int32, device=device)[None, :]
-    launches = 0
+    blocks = -(-seq_len // block_size)
+    # any blocks of the cache (block 0 pads table rows, so from 1 on; repeated when the cache is small)
+    block_table = (torch.arange(blocks, dtype=torch.int32, device=device) % max(num_blocks - 1, 1) + 1)[None, :]
     variants = [(1, decode)] + ([(1, wide)] if wide != decode else []) + [(prefill_block_q, None), (prefill_block_q + 1, None)]
+    launches = 0
     for q_len, tiles in variants:
         meta = AttentionMetadata(
             slot_mapping=torch.zeros(q_len, dtype=torch.int64, device=device),

@@ -31,8 +31,8 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def compile_attention_kernels(model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
-    """Compile the Triton attention kernels' variants for each attention shape in ``model`` before
-    the first step (``kvcache.triton_attention.warm_up``); nothing where the steps do not run them."""
+    """Compile the Triton attention kernels' variants for the attention layers of ``model`` over
+    ``kv_cache`` before the first step (``kvcache.triton_attention.warm_up``); nothing where the steps do not run them."""
     from kvcache.paged import uses_triton
     from worker_svc.layers.attention import PagedAttention
 
@@ -41,8 +41,8 @@ def compile_attention_kernels(model: torch.nn.Module, kv_cache: PagedKVCache) ->
     from kvcache.triton_attention import warm_up
 
     t0 = time.monotonic()
-    shapes = {(m.num_heads, m.num_kv_heads, m.head_dim) for m in model.modules() if isinstance(m, PagedAttention)}
-    launches = sum(warm_up(h, kv, d, kv_cache.block_size, kv_cache.dtype, kv_cache.device) for h, kv, d in shapes)
+    head_counts = {m.num_heads for m in model.modules() if isinstance(m, PagedAttention)}
+    launches = sum(warm_up(num_heads, kv_cache.layer(0)) for num_heads in head_counts)
     if kv_cache.device.type == "cuda":
         torch.cuda.synchronize(kv_cache.device)
     log.info("compiled %d attention kernel variants in %.1fs", launches, time.monotonic() - t0)
