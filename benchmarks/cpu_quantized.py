@@ -13,8 +13,9 @@
     ``generate``), the same servings alternated (the dequantized fp32 one left out): many rows per
     step, where the kernel's arithmetic (bf16 dot products or fp32 FMAs) decides;
   * greedy agreement on SmolLM2: the quantized model (fp32, and ``--dtype auto``) and the
-    dequantized bf16 model against the dequantized fp32 model over a few prompts: the share of
-    identical tokens position by position, and where each prompt first differs.
+    dequantized bf16 model against the dequantized fp32 model over a few prompts, and the quantized
+    ``--dtype auto`` model against the dequantized bf16 one: the share of identical tokens position
+    by position, and where each prompt first differs.
 
     python benchmarks/cpu_quantized.py --json docs/bench/cpu-quantized-avx512-zen5.json
 """
@@ -146,11 +147,16 @@ def agreement(new_tokens: int) -> dict:
         with LLM(**kw) as llm:
             outputs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]
     reference = outputs.pop("fp32 dequantized")
-    result = {}
-    for name, tokens in outputs.items():
+
+    def compare(tokens: list[list[int]], reference: list[list[int]]) -> dict:
         same = sum(a == b for ours, ref in zip(tokens, reference) for a, b in zip(ours, ref))
         first = [next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None) for ours, ref in zip(tokens, reference)]
-        result[name] = {"identical_share": round(same / sum(map(len, reference)), 4), "first_difference": first}
+        return {"identical_share": round(same / sum(map(len, reference)), 4), "first_difference": first}
+
+    result = {name: compare(tokens, reference) for name, tokens in outputs.items()}
+    # bf16 against bf16: the same weights, the same sums where the dense model runs linear.c's dot products
+    result["quantized, --dtype auto, against dequantized bf16"] = compare(outputs["quantized, --dtype auto"],
+                                                                        outputs["dequantized bf16"])
     return result
 
 
