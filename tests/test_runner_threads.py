@@ -26,16 +26,17 @@ def run_steps(chooser: StepThreads, num_tokens: int, seconds: dict[int, float], 
     return picked
 
 
-def test_a_lone_streams_steps_start_on_one_thread_then_take_the_faster_choice():
+def test_a_size_starts_on_all_threads_tries_one_then_takes_the_faster_choice():
     chooser = StepThreads(2)
     picked = run_steps(chooser, 1, {1: 0.010, 2: 0.008}, 5)
-    assert picked == [1, 2, 2, 2, 2]  # two threads tried on the second step, faster: kept
-    # the machine gets busy: two threads take 5x one's time; one step on them and one thread is back
+    assert picked == [2, 1, 2, 2, 2]  # one thread tried on the second step, slower: two kept
+    # the machine gets busy: two threads take 5x one's time; one step on them and a try of one, kept
     picked = run_steps(chooser, 1, {1: 0.012, 2: 0.060}, 400)
-    assert picked[:2] == [2, 1]
-    tries = [i for i, t in enumerate(picked) if t == 2][1:]
+    switch = picked.index(1)
+    assert switch <= PROBE_EVERY + 1 and chooser.pick(1) == 1
+    tries = [i for i, t in enumerate(picked) if t == 2 and i > switch]
     # two threads are tried again, each time later as their mean slows towards 5x
-    gaps = [b - a for a, b in zip([1, *tries], tries)]
+    gaps = [b - a for a, b in zip([switch, *tries], tries)]
     assert 3 <= len(tries) <= 5 and gaps == sorted(gaps) and gaps[0] > PROBE_EVERY and gaps[-1] > 3 * PROBE_EVERY
 
 
@@ -45,8 +46,8 @@ def test_each_size_of_step_is_measured_apart_per_token():
     assert run_steps(chooser, 32, {1: 0.080, 4: 0.040}, 4) == [4, 1, 4, 4]
     # a 40-token step is of the same size (32 to 63 tokens): its time per token is compared
     assert chooser.pick(40) == 4
-    # single-token steps know nothing of that: one thread first
-    assert run_steps(chooser, 1, {1: 0.010, 4: 0.030}, 3) == [1, 4, 1]
+    # single-token steps know nothing of that: all threads first, one on the second step, then the faster
+    assert run_steps(chooser, 1, {1: 0.010, 4: 0.030}, 3) == [4, 1, 1]
     # two threads' tries of the slower 32-token choice come once per PROBE_EVERY x 2 steps or later
     picked = run_steps(chooser, 32, {1: 0.080, 4: 0.040}, 4 * PROBE_EVERY)
     assert 1 <= picked.count(1) <= 2
@@ -87,8 +88,8 @@ def decode(tiny_model_dir, prompt: list[int], steps: int) -> tuple[list[int], li
 
 def test_the_runner_sets_the_picked_threads_around_each_step(tiny_model_dir, two_threads, monkeypatch):
     tokens, threads = decode(tiny_model_dir, [5, 9, 3, 11, 2], 6)
-    # the 5-token prefill on the process's two threads; the first decode on one, the second on two
-    assert threads[:3] == [2, 1, 2]
+    # the 5-token prefill on the process's two threads, the first decode too, the second on one
+    assert threads[:3] == [2, 2, 1]
     monkeypatch.setattr(StepThreads, "pick", lambda self, num_tokens: self.num_threads)  # always both
     same, threads = decode(tiny_model_dir, [5, 9, 3, 11, 2], 6)
     assert threads == [2] * 7 and same == tokens

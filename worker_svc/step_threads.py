@@ -12,8 +12,8 @@ two threads and 0.9 ms on one). So the choice is measured, per size of step
 its time per token for each choice, runs on the faster one, tries the other on the second step of
 a size and then now and then (less often the slower it was), so that the choice follows the load.
 
-A step of a few tokens starts on one thread, a larger one on all; a try of the slower choice costs
-at most about 1 / PROBE_EVERY of the steps' time. Torch-free: the runner sets the count it picks
+A step of each size starts on all threads; a try of the slower choice costs at most about
+1 / PROBE_EVERY of the steps' time. Torch-free: the runner sets the count it picks
 (``torch.set_num_threads``) around the step.
 """
 
@@ -23,9 +23,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# a step of at most this many tokens starts on one thread (one or two rows stream the weights at
-# about the speed of memory from one core), a larger one on the process's threads
-SMALL_STEP_MAX_TOKENS = 2
 # try the other choice once every this many steps of a size, times how much slower it was
 PROBE_EVERY = 32
 # weight of a new time in a choice's moving mean
@@ -54,8 +51,7 @@ class StepThreads:
         size = num_tokens.bit_length()
         choice = self._sizes.get(size)
         if choice is None:
-            best = 1 if num_tokens <= SMALL_STEP_MAX_TOKENS else self.num_threads
-            self._sizes[size] = choice = _SizeChoice(best, {1: None, self.num_threads: None})
+            self._sizes[size] = choice = _SizeChoice(self.num_threads, {1: None, self.num_threads: None})
         return choice
 
     def _other(self, threads: int) -> int:
