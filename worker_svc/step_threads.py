@@ -9,8 +9,9 @@ stream's decode about 1.2x sooner than one (SmolLM2-135M in bf16 on Zen 5: a pas
 faster, by several times when other programs keep them busy (there a 16-row linear took 31 ms on
 two threads and 0.9 ms on one). So the choice is measured, per size of step
 (its tokens, rounded down to a power of two): the runner times every step, keeps a moving mean of
-its time per token for each choice, runs on the faster one, tries the other on the second step of
-a size and then now and then (less often the slower it was), so that the choice follows the load.
+the faster choice's time per token and the other's last try, runs on the faster one, tries the
+other on the second step of a size and then now and then (less often the slower it was), so that
+the choice follows the load.
 
 A step of each size starts on all threads; a try of the slower choice costs at most about
 1 / PROBE_EVERY of the steps' time. Torch-free: the runner sets the count it picks
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 # try the other choice once every this many steps of a size, times how much slower it was
 PROBE_EVERY = 32
-# weight of a new time in a choice's moving mean
+# weight of a new time in the faster choice's moving mean
 MEAN_WEIGHT = 0.25
 
 
@@ -79,7 +80,10 @@ class StepThreads:
         choice = self._size(num_tokens)
         per_token = seconds / num_tokens
         mean = choice.mean_s[threads]
-        choice.mean_s[threads] = per_token if mean is None else mean + MEAN_WEIGHT * (per_token - mean)
+        # the faster choice runs most steps and keeps a moving mean; a try of the other stands for it
+        # alone until the next, so one slow first step does not keep a choice out for long
+        weight = MEAN_WEIGHT if threads == choice.best else 1.0
+        choice.mean_s[threads] = per_token if mean is None else mean + weight * (per_token - mean)
         choice.since_probe = 0 if threads != choice.best else choice.since_probe + 1
         best_s, other_s = choice.mean_s[choice.best], choice.mean_s[self._other(choice.best)]
         if other_s is not None and (best_s is None or other_s < best_s):
