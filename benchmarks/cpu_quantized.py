@@ -17,7 +17,9 @@
     ``--dtype auto`` model against the dequantized bf16 one: the share of identical tokens position
     by position, and where each prompt first differs.
 
-    python benchmarks/cpu_quantized.py --json docs/bench/cpu-quantized-avx512-zen5.json
+    python benchmarks/cpu_quantized.py --threads 1 --json docs/bench/cpu-quantized-avx512-zen5-1thread.json
+
+Feeds docs/benchmarks.md, section "Quantized weights".
 """
 
 from __future__ import annotations
