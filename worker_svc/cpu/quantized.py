@@ -11,9 +11,9 @@ dequantizes each weight to fp32 in registers (bit for bit the dequantized model'
   computes, up to the order of the sums;
 - bf16 activations, on CPUs with AVX-512 BF16: each fp32 weight rounded to bf16 (torch's cast of
   the dequantized weight) and multiplied by ``vdpbf16ps`` dot products, fp32 sums in the order of
-  ``csrc/linear.c``'s bf16 kernel, output bf16: the dense bf16 model made from the same file, up to
-  nothing where that kernel serves it. Elsewhere a bf16 model computes in fp32
-  (:func:`compute_quantized_model`).
+  ``csrc/linear.c``'s bf16 kernel, output bf16: where that kernel serves the dense bf16 model made
+  from the same file (AVX-512 BF16 without AMX), the quantized model computes its bits exactly.
+  Elsewhere a bf16 model computes in fp32 (:func:`compute_quantized_model`).
 
 :class:`QuantLinear` replaces an ``nn.Linear`` (one or several packed parts, their outputs side by
 side, as q/k/v fused from tensors of different types); :class:`QuantEmbedding` looks up rows of a
