@@ -93,3 +93,10 @@ def test_the_runner_sets_the_picked_threads_around_each_step(tiny_model_dir, two
     monkeypatch.setattr(StepThreads, "pick", lambda self, num_tokens: self.num_threads)  # always both
     same, threads = decode(tiny_model_dir, [5, 9, 3, 11, 2], 6)
     assert threads == [2] * 7 and same == tokens
+
+
+def test_a_try_must_beat_the_current_choice_clearly_to_take_over():
+    chooser = StepThreads(2)
+    # one thread 5% faster than two: noise, two kept; 20% faster: one takes over
+    assert run_steps(chooser, 1, {1: 0.0095, 2: 0.010}, 3) == [2, 1, 2]
+    assert run_steps(StepThreads(2), 1, {1: 0.008, 2: 0.010}, 3) == [2, 1, 1]

@@ -28,6 +28,10 @@ from dataclasses import dataclass
 PROBE_EVERY = 32
 # weight of a new time in the faster choice's moving mean
 MEAN_WEIGHT = 0.25
+# the other choice takes over only below this share of the current one's time: a lucky try (a
+# quiet moment for one thread while two share the cores with the API server and the core) must
+# not flip a quiet machine's lone stream to one thread, which takes it ~1.2x as long
+SWITCH_BELOW = 0.9
 
 
 @dataclass(slots=True)
@@ -86,5 +90,5 @@ class StepThreads:
         choice.mean_s[threads] = per_token if mean is None else mean + weight * (per_token - mean)
         choice.since_probe = 0 if threads != choice.best else choice.since_probe + 1
         best_s, other_s = choice.mean_s[choice.best], choice.mean_s[self._other(choice.best)]
-        if other_s is not None and (best_s is None or other_s < best_s):
+        if other_s is not None and (best_s is None or other_s < SWITCH_BELOW * best_s):
             choice.best = self._other(choice.best)
