@@ -43,6 +43,22 @@ class Fp32Linear(nn.Module):
         return self.linear(x.float())
 
 
+def rest_in_fp32(model: nn.Module, keep: tuple[type, ...]) -> None:
+    """Every parameter and floating buffer of ``model``'s modules other than ``keep`` (the weights
+    that stay as they are) becomes fp32, and rotary tables are recomputed in fp32 (not rounded
+    through bf16)."""
+    for module in model.modules():
+        if isinstance(module, keep):
+            continue
+        for param in module.parameters(recurse=False):
+            param.data = param.data.float()
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.is_floating_point():
+                setattr(module, name, buffer.float())
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters()
+
+
 def compute_bf16_model_in_fp32(model: nn.Module) -> str:
     """Turn a bf16 ``model`` on CPU into one that keeps bf16 weights and computes in fp32: every
     ``nn.Linear`` and the output head (``packed_lm_head``) become a :class:`KernelLinear` of bf16
@@ -58,16 +74,7 @@ def compute_bf16_model_in_fp32(model: nn.Module) -> str:
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding):
             module.output_dtype = torch.float32
-            continue
-        if isinstance(module, (KernelLinear, PackedLinear)):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            param.data = param.data.float()
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer.is_floating_point():
-                setattr(module, name, buffer.float())
-        if isinstance(module, RotaryEmbedding):
-            module.reset_parameters()  # the tables in full fp32, not rounded through bf16
+    rest_in_fp32(model, keep=(KernelLinear, PackedLinear, VocabParallelEmbedding))
     if lib is None:
         return "weights widened to fp32 (no C compiler)"
     return "C kernel" + ("" if lib.simd else " (portable build, no AVX2)")

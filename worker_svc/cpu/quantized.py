@@ -383,8 +383,8 @@ def compute_quantized_model(model: nn.Module, dtype: torch.dtype) -> tuple[torch
     becomes fp32 (norms, dense linears and tables), rotary tables are recomputed in fp32. The KV
     cache keeps ``dtype`` either way. Returns the dtype it computes in and, for the log, what the
     linears run on."""
+    from worker_svc.cpu.bf16_linear import rest_in_fp32
     from worker_svc.cpu.features import cpu_info
-    from worker_svc.layers.rotary import RotaryEmbedding
 
     types = sorted({t.name for m in model.modules() if isinstance(m, QuantLinear) for t in m.types})
     lib, isa = kernel(), cpu_info().isa
@@ -393,16 +393,7 @@ def compute_quantized_model(model: nn.Module, dtype: torch.dtype) -> tuple[torch
             if isinstance(module, QuantLinear):
                 module.compute_dtype = torch.bfloat16
         return torch.bfloat16, f"quantized {'/'.join(types)} weights, bf16 arithmetic (C kernel, AVX-512 BF16 dot products, {isa})"
-    for module in model.modules():
-        if isinstance(module, (QuantLinear, QuantEmbedding)):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            param.data = param.data.float()
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer.is_floating_point():
-                setattr(module, name, buffer.float())
-        if isinstance(module, RotaryEmbedding):
-            module.reset_parameters()
+    rest_in_fp32(model, keep=(QuantLinear, QuantEmbedding))
     where = "no C compiler: dequantized per call" if lib is None else (
         f"C kernel, {lib.simd}-bit vectors, {isa}" if lib.simd else "C kernel, portable build")
     why = ""
