@@ -350,7 +350,7 @@ def plan_launch(
         busy_blocks = min(grid_blocks, num_seqs * -(-meta.max_query_len // block_q))
     if num_splits is None:
         num_splits = choose_num_splits(busy_blocks * num_kv_heads, meta.max_seq_len, _num_sms(query.device))
-    num_splits = max(1, min(num_splits, -(-meta.max_seq_len // block_n)))
+    num_splits = max(1, min(num_splits, -(-meta.max_seq_len // block_n), _MAX_SPLITS))  # the merge reads up to 16
     if chosen_tiles:
         block_n = _wide_key_tiles(tiles, decode_like, group_pad, head_dim_pad, is_fp32,
                                   meta.max_seq_len // num_splits).block_n

@@ -120,6 +120,11 @@ def test_decode_batch_matches_reference(num_splits):
     )
 
 
+def test_more_splits_than_the_merge_reads_are_capped():
+    # 40 splits asked over 700 keys of 32-key tiles: 16, the most the merge kernel reads
+    check_attention(4, 2, 64, 16, torch.float32, [1, 1], [700, 9], num_splits=40)
+
+
 def test_fresh_prompt_chunk_and_padding_table_rows():
     # The whole context is this step's chunk (q_len == seq_len), beside a longer table row: the short
     # row's padding (block 0) must never be read as context.

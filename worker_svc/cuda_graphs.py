@@ -36,8 +36,8 @@ def compile_attention_kernels(model: torch.nn.Module, kv_cache: PagedKVCache) ->
     from kvcache.paged import uses_triton
     from worker_svc.layers.attention import PagedAttention
 
-    if not uses_triton(kv_cache.kv):
-        return
+    if kv_cache.device.type != "cuda" or not uses_triton(kv_cache.kv):
+        return  # Triton's interpreter (CPU tensors) compiles nothing
     from kvcache.triton_attention import warm_up
 
     t0 = time.monotonic()
