@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import weakref
@@ -98,6 +99,11 @@ class LLM:
         self._request_ids = itertools.count()
         # the step profile is the process's: this LLM's setting turns it on or off
         step_profile.configure("offline", self.settings.profile_steps)
+        # as each served process does once ready: the model, its modules and torch's objects live as
+        # long as the engine, so keep them out of the collector's full collections (one took ~280 ms
+        # in a generate on a 2-core VM)
+        gc.collect()
+        gc.freeze()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); the object is
