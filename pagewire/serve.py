@@ -113,18 +113,12 @@ def worker_settings(settings: Settings) -> list[Settings]:
 
 async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, run_dir: str,
                                workers: list[Settings]) -> int:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    failed: list[str] = []
     env = {**os.environ, **settings.to_env((PUBLIC,))}
     if not metrics_multiprocess_dir():
         # the API servers write their request metrics here, so any of them reports all of them
         os.mkdir(f"{run_dir}/metrics")
         env[METRICS_MULTIPROC_ENV] = f"{run_dir}/metrics"
-    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir,
-                            env=env)
+    stop, failed, supervisor = _supervision(run_dir, env)
     local_cores = []
     for i, worker in enumerate(workers):
         worker_addr, core_addr = f"unix:{run_dir}/worker{i}.sock", f"unix:{run_dir}/core{i}.sock"
@@ -135,7 +129,7 @@ async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, 
     cores = ",".join(local_cores + remote_cores)
     for j in range(settings.api_servers):
         supervisor.start(f"API server {j + 1}", api_server_argv(cores, listen, settings, log_level))
-    watcher = loop.create_task(supervisor.watch())
+    watcher = asyncio.get_running_loop().create_task(supervisor.watch())
     try:
         # ready: every local core has its worker and all the API servers (cores elsewhere join when they can)
         names = await asyncio.gather(*(_wait_ready(core, settings.api_servers, stop) for core in local_cores))
@@ -156,6 +150,17 @@ async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, 
     return 1 if failed else 0
 
 
+def _supervision(run_dir: str, env: dict[str, str] | None = None) -> tuple[asyncio.Event, list[str], Supervisor]:
+    """What every layout of serve starts with: ``stop``, set by SIGINT/SIGTERM or when the
+    supervisor gives up on a child, whose message goes into ``failed``; and the supervisor."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    failed: list[str] = []
+    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir, env=env)
+    return stop, failed, supervisor
+
+
 def _core_argv(log_level: str, worker_addr: str, core_addr: str, settings: Settings) -> list[str]:
     return _cli(log_level, "scheduler", "--worker", worker_addr, "--core-only", "--core-listen", core_addr,
                 "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((CORE,)))
@@ -163,15 +168,10 @@ def _core_argv(log_level: str, worker_addr: str, core_addr: str, settings: Setti
 
 async def _serve_core(settings: Settings, listen: str, log_level: str, run_dir: str) -> int:
     worker_addr = f"unix:{run_dir}/worker.sock"
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    failed: list[str] = []
-    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir)
+    stop, failed, supervisor = _supervision(run_dir)
     supervisor.start("worker", _cli(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
     supervisor.start("engine core", _core_argv(log_level, worker_addr, listen, settings))
-    watcher = loop.create_task(supervisor.watch())
+    watcher = asyncio.get_running_loop().create_task(supervisor.watch())
     try:
         model_name = await _wait_ready(listen, 0, stop)
         if model_name is not None:
@@ -189,17 +189,11 @@ async def _serve_core(settings: Settings, listen: str, log_level: str, run_dir: 
 async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) -> int:
     worker_addr = f"unix:{run_dir}/worker.sock"
     core_addr = f"unix:{run_dir}/core.sock"
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    failed: list[str] = []
-    supervisor = Supervisor(on_give_up=lambda message: (failed.append(message), stop.set()), run_dir=run_dir,
-                            env={**os.environ, **settings.to_env((PUBLIC,))})
+    stop, failed, supervisor = _supervision(run_dir, {**os.environ, **settings.to_env((PUBLIC,))})
     supervisor.start("worker", _cli(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
     supervisor.start("scheduler", _cli(log_level, "scheduler", "--worker", worker_addr, "--listen", listen,
                                        "--core-listen", core_addr, *settings.to_argv((CORE, API, PROCESS, PUBLIC))))
-    watcher = loop.create_task(supervisor.watch())
+    watcher = asyncio.get_running_loop().create_task(supervisor.watch())
     try:
         model_name = await _wait_ready(core_addr, settings.api_servers, stop)
         if model_name is not None:
