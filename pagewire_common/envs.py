@@ -8,6 +8,8 @@
 | PAGEWIRE_LOG_LEVEL | default of --log-level | info |
 | PAGEWIRE_EVENT_LOOP | the services' asyncio loop: auto (uvloop when installed), uvloop or asyncio | auto |
 | PAGEWIRE_API_KEY | default of --api-key: clients must send ``authorization: Bearer KEY`` | none |
+| PAGEWIRE_DTYPE | default of --dtype | auto |
+| PAGEWIRE_LAUNCH_AHEAD | default of --launch-ahead | auto |
 
 gRPC reads ``GRPC_VERBOSITY``: every pagewire command sets it to ERROR unless it is set or the
 log level is debug (``pagewire_common.logs``).
@@ -65,6 +67,7 @@ def metrics_multiprocess_dir() -> str | None:
 
 API_KEY_ENV = "PAGEWIRE_API_KEY"
 DTYPE_ENV = "PAGEWIRE_DTYPE"  # the default --dtype (tests pin float32 with it)
+LAUNCH_AHEAD_ENV = "PAGEWIRE_LAUNCH_AHEAD"  # the default --launch-ahead (tests run feature suites with it on)
 PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
 PARENT_RUN_DIR_ENV = "PAGEWIRE_PARENT_RUN_DIR"
 

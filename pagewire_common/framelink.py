@@ -117,6 +117,10 @@ class FrameConnection(asyncio.Protocol):
             raise LinkClosed("the frame link is closed")
         self._transport.write(HEADER.pack(len(payload)) + payload)
 
+    def has_frame(self) -> bool:
+        """Whether a message is here: ``read`` would return it without waiting."""
+        return bool(self._frames)
+
     async def read(self) -> bytes | None:
         """The next message, or None once the link is closed and every message was read."""
         while not self._frames:

@@ -38,6 +38,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 WORKER_KINDS = ("model", "null")
 QUANTIZATIONS = ("none", "int8")
 GGUF_WEIGHTS = ("auto", "quantized", "dequantize")
+LAUNCH_AHEAD = ("auto", "on", "off")
 ROUTINGS = ("cache-aware", "round-robin", "least-loaded")
 
 
@@ -62,6 +63,17 @@ def _at_least(low: int | float) -> Callable[[Any], str | None]:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
             return f"must be a number >= {low}, got {value!r}"
+        return None
+
+    return check
+
+
+def _between(low: int, high: int) -> Callable[[Any], str | None]:
+    def check(value):
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            return f"must be an integer from {low} to {high}, got {value!r}"
         return None
 
     return check
@@ -170,6 +182,13 @@ class Settings:
     cuda_graph_max_batch: int = _setting(
         256, "largest decode batch captured as a CUDA graph (default: %(default)s)", scope=(WORKER,),
         check=_at_least(1), type=int)
+    launch_ahead: str = _setting(
+        "auto", "launch each step before the previous step's sampled tokens reach the host (the step takes its "
+        "input ids from the device), so the host prepares step N+1 while the GPU runs step N; a step of "
+        "structured output waits for its tokens; auto: on CUDA with one rank; on: also on CPU, where it gains "
+        "nothing; off: every step waits for its tokens; the environment variable PAGEWIRE_LAUNCH_AHEAD changes the "
+        "default (default: %(default)s)", scope=(WORKER,), check=_one_of(LAUNCH_AHEAD), choices=LAUNCH_AHEAD,
+        env=envs.LAUNCH_AHEAD_ENV)
     tensor_parallel_size: int = _setting(
         1, "shard the model over N worker ranks, one process each (one GPU each on CUDA), joined with "
         "torch.distributed (gloo on CPU, NCCL on CUDA); rank 0 serves the scheduler and starts the other ranks "
@@ -221,6 +240,12 @@ class Settings:
     overlap: bool = _setting(
         True, "wait for each step's result before sending the next plan (default: one plan in flight ahead)",
         scope=(CORE,), negate="--no-overlap")
+    plans_in_flight: int | None = _setting(
+        None, "with overlap, the step plans the core keeps sent ahead of their results: 2 (plan N+1 is built while "
+        "the worker runs step N) or 3 (plan N+2 as well, so the core's work on result N and the worker's launch of "
+        "step N+2 both overlap the device's step N+1: it pays with a worker that launches its steps ahead); a "
+        "sequence that stops computes up to N-1 tokens that are dropped (default: 3 with a CUDA worker, else 2)",
+        scope=(CORE,), check=_between(2, 3), type=int, metavar="N")
     admission_turns: int = _setting(
         32, "after each step, let the core's event loop turn up to this many times while new requests keep "
         "arriving, so that a busy engine fills its batches instead of stepping once per arrival; 0: step at "

@@ -1,7 +1,8 @@
 """The CUDA-graph decode path (padded static buffers), run eagerly.
 
 Capture itself needs a GPU; everything it replays — padding rows that write nowhere (slot -1),
-static block tables, attention launched with host sizes fixed at capture — runs through the Triton
+static block tables, attention launched with host sizes fixed at capture, input ids taken from the
+last step's tokens on the device when steps are launched ahead — runs through the Triton
 kernels: compiled on a CUDA device where there is one, and where there is none on the CPU under
 Triton's interpreter (TRITON_INTERPRET=1), in a subprocess so the interpreter setting stays there.
 """
@@ -58,6 +59,12 @@ SCRIPT = textwrap.dedent(
     assert padded == eager, (padded, eager)
     # the padding row wrote nothing: its slot stayed -1 and the cache is unchanged by it
     assert graphs.slot_mapping[3].item() == -1
+    # launched ahead: each decode step's input ids come from the last step's tokens on the device,
+    # copied into the graph's static ids
+    runner.launch_ahead = True
+    ahead = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert ahead == eager, (ahead, eager)
+    assert graphs.num_replays == 8 and runner.num_steps_fed_from_device >= 3, runner.num_steps_fed_from_device
     print("ok", "cuda, compiled kernels" if on_cuda else "cpu, interpreted kernels", eager)
     """
 )

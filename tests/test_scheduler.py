@@ -415,14 +415,14 @@ def test_overlap_gives_identical_outputs_and_balanced_blocks(prefix):
         for i, p in enumerate(prompts)
     ]
     results = {}
-    for depth in (1, 2):
+    for depth in (1, 2, 3):
         engine, worker = make_engine(num_blocks=40, block_size=4, budget=24, prefix=prefix)
         link = LaggingLink(worker)
         got, finals, steps = run_pipelined(engine, link, depth, requests)
         assert_all_free(engine)
         results[depth] = (got, {k: (v.finish_reason, v.usage) for k, v in finals.items()}, link.num_sampled)
-    assert results[1][0] == results[2][0]
-    assert results[1][1] == results[2][1]
+    assert results[1][0] == results[2][0] == results[3][0]
+    assert results[1][1] == results[2][1] == results[3][1]
     for i, p in enumerate(prompts):
         expected = reference_tokens(p, 5 + i)
         if i == 3:
@@ -430,15 +430,19 @@ def test_overlap_gives_identical_outputs_and_balanced_blocks(prefix):
         assert results[2][0][f"r{i}"] == expected
     delivered = sum(len(t) for t in results[2][0].values())
     assert results[1][2] == delivered  # without overlap nothing is computed in vain
-    # with overlap, max_tokens is foreseen; only the stop-token request costs one discarded token
+    # with overlap, max_tokens is foreseen; only the stop-token request costs discarded tokens, up
+    # to one per plan in flight past the first: its stop comes one token before its max_tokens,
+    # so one here, however many plans are in flight
     assert results[2][2] == delivered + 1
+    assert results[3][2] == delivered + 1
 
 
-def test_overlap_preemption_and_aborts():
+@pytest.mark.parametrize("depth", [2, 3])
+def test_overlap_preemption_and_aborts(depth):
     prompts = make_prompts(8, seed=4, lengths=[9, 14, 5, 20, 11, 7, 3, 16])
     requests = [(p, SamplingParams(temperature=0, max_tokens=18)) for p in prompts]
     engine, worker = make_engine(num_blocks=14, block_size=4, budget=16, prefix=True)
-    got, finals, _ = run_pipelined(engine, LaggingLink(worker), 2, requests, abort_after={6: ["r2"], 9: ["r5"]})
+    got, finals, _ = run_pipelined(engine, LaggingLink(worker), depth, requests, abort_after={6: ["r2"], 9: ["r5"]})
     assert engine.scheduler.num_preemptions > 0
     for i, p in enumerate(prompts):
         if i in (2, 5):

@@ -6,8 +6,10 @@ captures the forward pass plus the logits for a ladder of batch sizes (1, 2, 4, 
 replayed with one launch. Prefill and mixed steps run eagerly.
 
 What a graph reads lives in static buffers sized for the largest batch: input ids, positions,
-slot mapping, context lengths, block tables. Padding rows write nowhere (slot -1, which the
-Triton append kernel skips) and attend over one key; their logits are never sampled. The
+slot mapping, context lengths, block tables. The first four are views of one device buffer, which
+a step fills with its one host-to-device copy; the block tables are gathered into theirs on the
+device. Padding rows write nowhere (slot -1, which the Triton append kernel skips) and attend
+over one key of whatever block their stale table row names; their logits are never sampled. The
 attention grid depends only on host integers fixed at capture (``max_query_len`` 1,
 ``max_seq_len`` = the model length, which picks the key-split count; splits past a shorter
 context are empty and merge to nothing), so one graph serves every context length.
@@ -21,9 +23,11 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from kvcache.paged import AttentionMetadata, PagedKVCache
+from worker_svc.step_io import Section
 
 log = logging.getLogger("pagewire.worker")
 
@@ -73,11 +77,19 @@ class DecodeGraphs:
         self.device = torch.device(device)
         self.capture = capture
         b, dev = self.max_batch, self.device
-        # static inputs, [max_batch] unless noted
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
+        # the static inputs a step writes (ids, positions, slots, context lengths) are views at
+        # fixed offsets of one device buffer, so one host-to-device copy fills them
+        # (worker_svc.step_io); what a step stages besides them goes after STATIC_END
+        # (the rows of the block tables, and input ids to take from the device: 24 bytes a row)
+        self.inputs = torch.zeros(56 * b + 64, dtype=torch.uint8, device=dev)
+        self.offsets = (0, 8 * b, 16 * b, 24 * b)
+        self.static_end = 32 * b
+        self.input_ids = self.inputs[: 8 * b].view(torch.int64)
+        self.positions = self.inputs[8 * b : 16 * b].view(torch.int64)
+        self.slot_mapping = self.inputs[16 * b : 24 * b].view(torch.int64)
+        self.seq_lens = self.inputs[24 * b : 28 * b].view(torch.int32)
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
         self.block_tables = torch.zeros((b, max_blocks_per_seq), dtype=torch.int32, device=dev)  # [b, max_blocks]
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)  # one query per sequence
         self.logits_indices = torch.arange(b, dtype=torch.int64, device=dev)
@@ -127,29 +139,24 @@ class DecodeGraphs:
     def padded_size(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
-    @torch.inference_mode()
-    def run(
-        self,
-        input_ids: torch.Tensor,  # [S] int64
-        positions: torch.Tensor,  # [S] int64
-        slot_mapping: torch.Tensor,  # [S] int64
-        seq_lens: torch.Tensor,  # [S] int32
-        block_tables: torch.Tensor,  # [S, num_blocks] int32
-    ) -> torch.Tensor:
-        """Logits [S, vocab] (fp32) of a decode-only step: pad, fill the static buffers, replay."""
+    def sections(self, size: int, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                 seq_lens: np.ndarray) -> list[Section]:
+        """A decode step's host arrays (S rows) padded to ``size`` rows, at the static buffers'
+        offsets of ``inputs``: padding rows write nowhere (slot -1) and attend over one key."""
         n = input_ids.shape[0]
-        size = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
-        if size > n:  # padding rows: write nowhere, attend over one key of block 0
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
-            self.block_tables[n:size, 0].zero_()
+        pads = ((input_ids, 0, torch.int64), (positions, 0, torch.int64), (slot_mapping, -1, torch.int64),
+                (seq_lens, 1, torch.int32))
+        out = []
+        for (array, pad, dtype), offset in zip(pads, self.offsets):
+            if size > n:
+                array = np.concatenate((array, np.full(size - n, pad, dtype=array.dtype)))
+            out.append(Section(array, dtype, offset))
+        return out
+
+    @torch.inference_mode()
+    def replay(self, n: int, size: int) -> torch.Tensor:
+        """Logits [n, vocab] (fp32) of a decode step whose inputs are in the static buffers (rows
+        ``n`` to ``size`` padding), by the graph captured for ``size`` rows."""
         self.num_replays += 1
         graph = self._graphs.get(size)
         if graph is None:  # capture=False: the same padded path, eagerly

@@ -23,12 +23,20 @@ from worker_svc.config import ModelConfig
 from worker_svc.cpu.prepare import prepare_model
 from worker_svc.cuda_graphs import DecodeGraphs, compile_attention_kernels
 from worker_svc.dtypes import AUTO, check_dtype_setting, dtype_name, resolve_dtype
-from worker_svc.nvtx import nvtx_range
-from worker_svc.plan_state import SeqState, SequenceStates
 from worker_svc.layers.linear import kv_heads_per_rank
 from worker_svc.logits_adjust import LogitsAdjuster
+from worker_svc.nvtx import nvtx_range
 from worker_svc.parallel.group import SINGLE, TensorParallel
+from worker_svc.plan_state import SeqState, SequenceStates
 from worker_svc.sampler import Sampler, SamplingBatch
+from worker_svc.step_io import (
+    DeviceToHost,
+    HostToDevice,
+    LaunchedStep,
+    Section,
+    fill_sampled,
+    layout,
+)
 from worker_svc.step_threads import StepThreads
 from worker_svc.structured import GrammarMasks
 from worker_svc.weights import load_model
@@ -71,30 +79,34 @@ class RunnerConfig:
     cuda_graph_max_batch: int = default_of("cuda_graph_max_batch")
     # CPU: every attention chunk in C and every unrestricted row drawn from raw logits (batch-invariant)
     deterministic: bool = default_of("deterministic")
+    launch_ahead: str = default_of("launch_ahead")  # auto: on CUDA with one rank
     quantization: str = default_of("quantization")  # CPU: int8 linears for a dense checkpoint
     gguf_weights: str = default_of("gguf_weights")  # CPU: a GGUF's own blocks, or its dequantized copy
 
     def __post_init__(self) -> None:
         check_all(self, ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch",
-                         "deterministic", "quantization", "gguf_weights"))
+                         "deterministic", "launch_ahead", "quantization", "gguf_weights"))
         check_dtype_setting(self.dtype)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "RunnerConfig":
+    def from_settings(cls, settings: Settings) -> RunnerConfig:
         return cls(
             block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
             kv_cache_bytes=settings.kv_cache_bytes, dtype=settings.dtype, device=settings.device,
             max_model_len=settings.max_model_len, cuda_graphs=settings.cuda_graphs,
             cuda_graph_max_batch=settings.cuda_graph_max_batch, deterministic=settings.deterministic,
+            launch_ahead=settings.launch_ahead,
             quantization=settings.quantization, gguf_weights=settings.gguf_weights,
         )
 
 
 @dataclass(slots=True)
 class _StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    num_seqs: int
+    input_ids: torch.Tensor | None  # [T]; None: a decode graph's step (its inputs are in its static buffers)
+    positions: torch.Tensor | None  # [T]
+    meta: AttentionMetadata | None
+    graph_size: int | None = None  # the captured batch size a decode step replays
     sampled_states: list[SeqState] = field(default_factory=list)
     sampled_seq_ids: list[int] = field(default_factory=list)
     sampled_positions: np.ndarray | None = None  # [N] the position of each token sampled
@@ -216,7 +228,14 @@ class ModelRunner:
         # ranks other than 0: the sequences that sampled in the last step, until rank 0's ids come
         self._awaiting_tokens: list[SeqState] = []
         self._sampling: _SamplingGroup | None = None
-        self._to_device = _HostToDevice(self.device)
+        self._to_device = HostToDevice(self.device)
+        # launch each step before the last one's tokens reach the host (see launch); where that
+        # gains nothing (CPU, whose kernels run as they are called) only when asked
+        mode = config.launch_ahead
+        self.launch_ahead = tp.size == 1 and (mode == "on" or (mode == "auto" and self.device.type == "cuda"))
+        self._ahead: tuple[LaunchedStep, torch.Tensor] | None = None  # the last step launched ahead, its tokens
+        self._num_unfinished = 0  # steps launched ahead and not yet finished
+        self.num_steps_fed_from_device = 0  # steps with input ids sampled by an unfinished step (observability)
         # CPU: each step on one thread or all, whichever its size ran faster on lately (step_threads)
         self._step_threads = StepThreads(torch.get_num_threads()) if self.device.type == "cpu" else None
         log.debug(
@@ -253,6 +272,8 @@ class ModelRunner:
         self.adjuster.reset()
         self._awaiting_tokens = []
         self._sampling = None
+        self._ahead = None
+        self._num_unfinished = 0
 
     def take_sampled(self, token_ids: list[int]) -> None:
         """On a rank other than 0: the ids rank 0 sampled in the last step, in its batch order."""
@@ -265,9 +286,17 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step and return its result."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Apply ``plan`` and queue its step on the device. Launched ahead (``launch_ahead``), the
+        step's sampled tokens stay on the device: the next step takes its input ids from there,
+        so it can be launched before this one's tokens reach the host. Steps are finished in the
+        order they were launched, and at most one may be unfinished when the next is launched."""
         chooser = self._step_threads
         if chooser is None or plan.is_empty:
-            return self._execute(plan)
+            return self._launch(plan)
         process_threads = torch.get_num_threads()
         if chooser.num_threads != process_threads:  # the process changed its count: measure anew
             self._step_threads = chooser = StepThreads(process_threads)
@@ -277,15 +306,34 @@ class ModelRunner:
             torch.set_num_threads(threads)
         start = chooser.clock()
         try:
-            result = self._execute(plan)
+            launched = self._launch(plan)
         finally:
             if threads != process_threads:
                 torch.set_num_threads(process_threads)  # the process's own count outside the step
         chooser.record(num_tokens, threads, chooser.clock() - start)
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> StepResult:
+        """``launched``'s result, once its tokens are on the host (waits for the device)."""
+        result, states = launched.result, launched.states
+        if states is None:
+            return result
+        with nvtx_range("wait for tokens"):
+            host = launched.outputs.wait()
+        token_list = host[0].tolist()
+        for state, slot, token in zip(states, launched.slots, token_list):
+            state.token_ids[slot] = token  # the placeholder the next step's inputs saw
+        if self._ahead is not None and self._ahead[0] is launched:
+            self._ahead = None
+        launched.states = None
+        self._num_unfinished -= 1
+        top = host[-2:] if launched.num_top else None
+        fill_sampled(result, token_list, host[1].tolist() if launched.want_logprobs else None, launched.params,
+                      launched.num_top, top)
         return result
 
     @torch.inference_mode()
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
         with nvtx_range("apply plan"):
             adjuster = self.adjuster
             if adjuster.num_adjusted:
@@ -302,36 +350,34 @@ class ModelRunner:
                 self.num_block_copies += len(copies)
         result = StepResult(step_id=plan.step_id)
         if plan.is_empty:
-            return result
+            return LaunchedStep(result)
         with nvtx_range("prepare inputs"):
             inputs = self._prepare_inputs(plan)
         meta = inputs.meta
         grammars = adjuster.grammars
-        if grammars is not None and grammars.num_active:
+        grammar_step = grammars is not None and grammars.num_active > 0
+        if grammar_step:
             grammars.start(inputs.sampled_states)  # the masks are filled while the model runs
-        graphs = self.decode_graphs
-        num_seqs = len(meta.seq_lens_cpu)
         prompt_rows = inputs.prompt_rows
-        if graphs is not None and meta.max_query_len == 1 and len(inputs.sampled_states) == num_seqs \
-                and prompt_rows is None and graphs.fits(num_seqs):
+        if inputs.graph_size is not None:
             with nvtx_range("decode graph"):
-                logits = graphs.run(inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+                logits = self.decode_graphs.replay(inputs.num_seqs, inputs.graph_size)
         else:
             with nvtx_range("forward"):
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
                 if not inputs.sampled_states and prompt_rows is None:
-                    return result
+                    return LaunchedStep(result)
                 logits = self.model.compute_logits(hidden)  # [num_prompt_rows + num_sampled, vocab] fp32
             if logits is None:  # a rank other than 0: rank 0 samples (and adjusts the logits)
                 self._awaiting_tokens = inputs.sampled_states
-                return result
+                return LaunchedStep(result)
             if prompt_rows is not None:
                 num_prompt_rows = len(prompt_rows.index)
                 with nvtx_range("prompt logprobs"):
                     self._prompt_logprobs(logits[:num_prompt_rows], prompt_rows, result)
                 logits = logits[num_prompt_rows:]
                 if not inputs.sampled_states:
-                    return result
+                    return LaunchedStep(result)
         states = inputs.sampled_states
         group = self._sampling_group(inputs)
         batch = group.batch
@@ -339,29 +385,41 @@ class ModelRunner:
         params = batch.params
         want_logprobs = group.want_logprobs
         num_top = group.num_top
+        result.seq_ids = inputs.sampled_seq_ids
         with nvtx_range("sample"):
             # logprobs are the model's distribution, before any adjustment
             raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs or num_top else None
             adjuster.apply(logits, states)
             tokens, _ = self.sampler(logits, batch)
             adjuster.record(tokens)
+            outputs = [tokens]
+            if want_logprobs:
+                outputs.append(raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
             if num_top:
-                top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [N, num_top], best first
-            token_list = tokens.tolist()  # the step's one device -> host sync (on CUDA: waits for the GPU)
+                outputs.extend(raw_logprobs.topk(num_top, dim=-1)[::-1])  # ids, logprobs [N, num_top], best first
+            if self.launch_ahead and not grammar_step:  # a grammar's matchers need the tokens now
+                if self._num_unfinished > 1:
+                    raise RuntimeError("launched a step while two steps launched ahead were unfinished")
+                self._num_unfinished += 1
+                launched = LaunchedStep(result, states, None, DeviceToHost.start(outputs), params, want_logprobs,
+                                        num_top)
+                slots = []
+                for i, state in enumerate(states):
+                    ids = state.token_ids
+                    slots.append(len(ids))
+                    ids.append(~i)  # placeholder: row i of this step's tokens, on the device
+                launched.slots = slots
+                self._ahead = (launched, tokens)
+                return launched
+            host = [t.cpu() for t in outputs]  # the step's device -> host sync (on CUDA: waits for the GPU)
+            token_list = host[0].tolist()
         for state, token in zip(states, token_list):
             state.token_ids.append(token)
-        if grammars is not None and grammars.num_active:
+        if grammar_step:
             grammars.advance(states, token_list)
-        result.seq_ids = inputs.sampled_seq_ids
-        result.token_ids = token_list
-        if want_logprobs:
-            logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            result.logprobs = [lp if p.logprobs else float("nan") for lp, p in zip(logprobs.tolist(), params)]
-        if num_top:
-            result.num_top_logprobs = num_top
-            result.top_token_ids = top_ids.flatten().tolist()
-            result.top_logprobs = top_logprobs.flatten().tolist()
-        return result
+        fill_sampled(result, token_list, host[1].tolist() if want_logprobs else None, params, num_top,
+                      host[-2:] if num_top else None)
+        return LaunchedStep(result)
 
     def _prompt_logprobs(self, logits: torch.Tensor, rows: _PromptRows, result: StepResult) -> None:
         """Fill ``result``'s prompt fields from the logits of ``rows``' positions: the model's
@@ -436,31 +494,75 @@ class ModelRunner:
             if prompt_rows is not None:
                 logits_indices = np.concatenate([prompt_rows.index, logits_indices])
 
+        # tokens the step launched ahead sampled are placeholders (~row) here: their ids come from
+        # its token tensor on the device, all of it in batch order in a run of decode steps
+        pending = np.flatnonzero(input_ids < 0)
+        from_device = None  # the launched-ahead step's tokens: all of them, in order, are the input ids
+        extra: list[Section] = []
+        if pending.size:
+            if self._ahead is None:
+                raise RuntimeError("a step's input token was sampled by a step that already finished")
+            ahead_tokens = self._ahead[1]
+            self.num_steps_fed_from_device += 1
+            src = ~input_ids[pending]
+            if pending.size == num_tokens == ahead_tokens.shape[0] and (src == pending).all():
+                from_device = ahead_tokens
+            else:
+                extra = [Section(pending.astype(np.int64), torch.int64), Section(src, torch.int64)]
+
+        graphs = self.decode_graphs
+        graph_size = None
+        if graphs is not None and max_query_len == 1 and all_sampled and graphs.fits(num_seqs):
+            graph_size = graphs.padded_size(num_seqs)
         h2d = self._to_device
-        h2d.begin()
-        if prompt_rows is not None:
-            prompt_rows.device_targets = h2d.copy("prompt_targets", prompt_rows.targets, torch.int64)
-        meta = AttentionMetadata(
-            slot_mapping=h2d.copy("slot_mapping", slot_mapping, torch.int64),
-            query_start_loc=h2d.copy("query_start_loc", cu, torch.int32),
-            seq_lens=h2d.copy("seq_lens", seq_lens, torch.int32),
-            block_tables=self.block_tables.gather(rows, int(num_blocks.max()), h2d.copy("rows", rows, torch.int64)),
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            logits_indices=h2d.copy("logits_indices", logits_indices, torch.int64),
-        )
+        meta = None
+        if graph_size is not None:  # straight into the graph's static buffers
+            sections = graphs.sections(graph_size, input_ids, positions, slot_mapping, seq_lens)
+            sections.append(Section(rows, torch.int64))
+            layout(sections[4:] + extra, graphs.static_end)
+            staged = h2d.stage(sections + extra, dest=graphs.inputs)
+            torch.index_select(self.block_tables.table, 0, staged[4], out=graphs.block_tables[:num_seqs])
+            device_ids = graphs.input_ids[:num_seqs]
+            device_positions = None
+            if from_device is not None:
+                device_ids.copy_(from_device)
+        else:
+            sections = [Section(a, dtype) for a, dtype in (
+                (slot_mapping, torch.int64), (cu, torch.int32), (seq_lens, torch.int32), (rows, torch.int64),
+                (logits_indices, torch.int64), (input_ids, torch.int64), (positions, torch.int64))]
+            if prompt_rows is not None:
+                sections.append(Section(prompt_rows.targets, torch.int64))
+            staged = h2d.stage(sections + extra)
+            if prompt_rows is not None:
+                prompt_rows.device_targets = staged[7]
+            device_ids, device_positions = staged[5], staged[6]
+            if from_device is not None:
+                device_ids = from_device
+            meta = AttentionMetadata(
+                slot_mapping=staged[0],
+                query_start_loc=staged[1],
+                seq_lens=staged[2],
+                block_tables=self.block_tables.gather(rows, int(num_blocks.max()), staged[3]),
+                max_query_len=max_query_len,
+                max_seq_len=int(seq_lens.max()),
+                query_lens_cpu=query_lens.tolist(),
+                seq_lens_cpu=seq_lens.tolist(),
+                logits_indices=staged[4],
+            )
+        if extra:  # some input ids from the device
+            device_ids[staged[-2]] = self._ahead[1][staged[-1]]
         batch.advance()
         if all_sampled:
             sampled_states, sampled_seq_ids = states, batch.seq_ids
         else:
             sampled_states = [states[i] for i in sampled]
             sampled_seq_ids = [batch.seq_ids[i] for i in sampled]
-        inputs = _StepInputs(
-            input_ids=h2d.copy("input_ids", input_ids, torch.int64),
-            positions=h2d.copy("positions", positions, torch.int64),
+        return _StepInputs(
+            num_seqs=num_seqs,
+            input_ids=device_ids,
+            positions=device_positions,
             meta=meta,
+            graph_size=graph_size,
             sampled_states=sampled_states,
             sampled_seq_ids=sampled_seq_ids,
             sampled_positions=seq_lens[sampled_index],
@@ -468,44 +570,3 @@ class ModelRunner:
             sampled=sampled,
             prompt_rows=prompt_rows,
         )
-        h2d.end()
-        return inputs
-
-
-class _HostToDevice:
-    """A step's host arrays to the device. On CPU a tensor over the array (cast where the dtype
-    differs). On CUDA each array is written into a pinned buffer of its own, kept across steps,
-    and copied with one non_blocking copy; before the next step writes the buffers, ``begin``
-    waits for the event recorded after the last step's copies (a rank that does not sample never
-    syncs with the device otherwise)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._buffers: dict[str, torch.Tensor] = {}  # name -> 1-D pinned host buffer
-        self._copied = None  # torch.cuda.Event recorded after the last step's copies
-
-    def begin(self) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()
-
-    def end(self) -> None:
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def copy(self, name: str, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """``array`` (1-D) as a ``dtype`` tensor on the device."""
-        if self.device.type == "cpu":
-            t = torch.from_numpy(np.ascontiguousarray(array))
-            return t if t.dtype == dtype else t.to(dtype)
-        if self.device.type != "cuda":
-            return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, dtype)
-        n = array.shape[0]
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < n:
-            # a dropped buffer stays allocated until its pending copy is done (torch's pinned allocator)
-            size = max(n, 2 * buf.numel() if buf is not None else 256)
-            self._buffers[name] = buf = torch.empty(size, dtype=dtype, pin_memory=True)
-        staged = buf[:n]
-        staged.numpy()[:] = array
-        return staged.to(self.device, non_blocking=True)

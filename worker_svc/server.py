@@ -12,6 +12,7 @@ poller thread while a step runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import time
@@ -90,22 +91,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.info("scheduler connected (%s)", peer_name(context.peer()))
             # the step's phases around the runner's own (worker_svc.nvtx): the time waiting for
             # the plan (idle included), decoding it, encoding and writing the result
-            while True:
-                with nvtx_range("wait for plan"):
-                    data = await conn.read()
-                if data is None:
-                    break
-                with nvtx_range("plan decode"):
-                    plan = wire.plan_from_pb(worker_pb2.StepPlan.FromString(data))
-                try:
-                    result = runner.execute(plan)  # inline: the loop has nothing else to do
-                except (KeyError, ValueError) as e:  # a plan that contradicts our state
-                    log.error("bad step plan %d: %s", plan.step_id, e)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
-                self.num_steps += 1
-                with nvtx_range("result send"):
-                    conn.write(wire.result_to_pb(result).SerializeToString())
-                step_profile.end_step(len(result.token_ids))
+            if getattr(runner, "launch_ahead", False):
+                await self._launch_ahead(conn, context)
+            else:
+                while True:
+                    with nvtx_range("wait for plan"):
+                        data = await conn.read()
+                    if data is None:
+                        break
+                    plan = self._decode(data)
+                    result = await self._run(runner.execute, plan, context)  # inline: nothing else to do
+                    self._send(conn, result)
         except GroupFailed as e:  # as for a dead worker: UNAVAILABLE, and the worker stops
             failed = e
             self.on_fatal(str(e))
@@ -119,6 +115,62 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except GroupFailed as e:
                     self.on_fatal(str(e))
             log.info("scheduler disconnected")
+
+
+    @staticmethod
+    def _decode(data: bytes):
+        with nvtx_range("plan decode"):
+            return wire.plan_from_pb(worker_pb2.StepPlan.FromString(data))
+
+    @staticmethod
+    async def _run(call, plan, context):
+        try:
+            return call(plan)
+        except (KeyError, ValueError) as e:  # a plan that contradicts our state
+            log.error("bad step plan %d: %s", plan.step_id, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+
+    def _send(self, conn, result) -> None:
+        self.num_steps += 1
+        with nvtx_range("result send"):
+            conn.write(wire.result_to_pb(result).SerializeToString())
+        step_profile.end_step(len(result.token_ids))
+
+    async def _launch_ahead(self, conn, context) -> None:
+        """Steps launched ahead (``ModelRunner.launch``): each plan is launched as it arrives, and
+        the step before it is finished (its result sent) only after, so the device runs step N
+        while the host reads, decodes and launches plan N+1. A launched step waits for the next
+        plan only while the device runs it: if the device is done first, its result goes at
+        once (the scheduler may be waiting for it before it sends another plan)."""
+        runner = self.runner
+        loop = asyncio.get_running_loop()
+        waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-wait")
+        pending = None  # the launched step not yet finished
+        reading = None  # the read of the next plan, while a step runs
+        try:
+            while True:
+                if pending is not None and reading is None and not conn.has_frame() and not pending.ready():
+                    reading = asyncio.ensure_future(conn.read())
+                    with nvtx_range("wait for plan or tokens"):
+                        done = loop.run_in_executor(waiter, pending.wait)
+                        await asyncio.wait((reading, done), return_when=asyncio.FIRST_COMPLETED)
+                plan_here = reading.done() if reading is not None else conn.has_frame()
+                if pending is not None and not plan_here:
+                    self._send(conn, runner.finish(pending))  # the device finished before the next plan came
+                    pending = None
+                with nvtx_range("wait for plan"):
+                    data = await (reading or conn.read())
+                reading = None
+                if data is None:
+                    break
+                launched = await self._run(runner.launch, self._decode(data), context)
+                if pending is not None:
+                    self._send(conn, runner.finish(pending))
+                pending = launched
+        finally:
+            if reading is not None:
+                reading.cancel()
+            waiter.shutdown(wait=False)
 
 
 async def build_server(runner, listen: str, model_name: str, eos_token_ids: tuple[int, ...], on_fatal=None):

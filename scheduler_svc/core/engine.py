@@ -213,6 +213,16 @@ class EngineCore:
         return lost
 
 
+def plans_in_flight(settings, device: str) -> int:
+    """The pipeline depth of the core's loop: 1 without overlap, else ``--plans-in-flight`` (by
+    default 3 for a worker on CUDA, whose steps are launched ahead, else 2)."""
+    if not settings.overlap:
+        return 1
+    if settings.plans_in_flight is not None:
+        return settings.plans_in_flight
+    return 3 if device.startswith("cuda") else 2
+
+
 def run_step(engine: EngineCore, link: PlanLink, depth: int = 1) -> StepTokens | None:
     """One turn of the driver over a link in this process (the offline ``LLM``, tests): send the
     next plan if there is one, and apply a result when one is due. The core service makes the same
@@ -230,16 +240,22 @@ def run_step(engine: EngineCore, link: PlanLink, depth: int = 1) -> StepTokens |
 
 class InProcessLink:
     """A worker in this process as a ``PlanLink``: each plan runs when its result is read, so
-    with two in flight the second was built before the first ran, as over the worker's stream."""
+    with two in flight the second was built before the first ran, as over the worker's stream.
+    A runner that launches steps ahead (``ModelRunner.launch``) launches each plan as it is sent
+    and finishes it when its result is read: with two in flight, step N+1 is queued on the device
+    before step N's tokens are read back."""
 
     def __init__(self, executor):
-        self.executor = executor  # has execute(plan) -> StepResult
-        self._sent: deque[StepPlan] = deque()
+        self.executor = executor  # has execute(plan) -> StepResult; launch and finish when it launches ahead
+        self._ahead = getattr(executor, "launch_ahead", False)
+        self._sent: deque = deque()  # plans, or launched steps
 
     def send(self, plan: StepPlan) -> None:
-        self._sent.append(plan)
+        self._sent.append(self.executor.launch(plan) if self._ahead else plan)
 
     def receive(self) -> StepResult:
+        if self._ahead:
+            return self.executor.finish(self._sent.popleft())
         return self.executor.execute(self._sent.popleft())
 
 

@@ -30,7 +30,7 @@ from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.delivery import ApiClient, deliver
-from scheduler_svc.core.engine import EngineCore, WorkerInfo
+from scheduler_svc.core.engine import EngineCore, WorkerInfo, plans_in_flight
 from scheduler_svc.core.request_names import RequestNames
 from scheduler_svc.core.running_batch import StepTokens
 from scheduler_svc.core.worker_client import WorkerLink, WorkerLinkError
@@ -382,7 +382,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         """Run steps while connected; sleep when there is nothing to do. Each part of a step is a
         phase of the step profile (``--profile-steps``; the link times its wait and its decoding)."""
         engine, link = self.engine, self._link
-        depth = 2 if self.settings.overlap else 1
+        depth = plans_in_flight(self.settings, engine.worker_info.device)
         admit = depth > 1 and self.settings.admission_turns > 0
         while not self._stopping:
             if engine.is_idle():
