@@ -10,7 +10,7 @@ never writes the one whose copy the step before may still be reading; before a b
 again, the copy recorded on it two steps earlier is waited for (long done in practice).
 
 On CPU nothing is copied: an array becomes a tensor over its memory (or is written into the
-destination given).
+destination given); another device gets a plain copy per array.
 
 ``DeviceToHost`` starts the copies of a step's sampled tokens (and logprobs when asked) to the
 host and records an event after them; ``ready`` polls it and ``wait`` blocks on it. A
@@ -74,7 +74,7 @@ class HostToDevice:
         tensor, when given; its sections' offsets are then fixed by the caller)."""
         end = layout(sections)
         if not self._cuda:
-            return [self._on_host(s, dest) for s in sections]
+            return [self._direct(s, dest) for s in sections]
         turn = self._turn
         self._turn ^= 1
         pinned = self._pinned[turn]
@@ -97,12 +97,15 @@ class HostToDevice:
         event.record()
         return [_view(dest, s) for s in sections]
 
-    def _on_host(self, s: Section, dest: torch.Tensor | None) -> torch.Tensor:
+    def _direct(self, s: Section, dest: torch.Tensor | None) -> torch.Tensor:
         if dest is None:
             t = torch.from_numpy(np.ascontiguousarray(s.array))
-            return t if t.dtype == s.dtype else t.to(s.dtype)
+            return t.to(self.device, s.dtype)  # no copy on CPU where the dtype is the array's
         out = _view(dest, s)
-        out.numpy()[...] = s.array
+        if out.device.type == "cpu":
+            out.numpy()[...] = s.array
+        else:
+            out.copy_(torch.from_numpy(np.ascontiguousarray(s.array)))
         return out
 
 
