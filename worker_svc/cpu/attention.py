@@ -52,6 +52,15 @@ class AttentionKernel:
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+        # the K/V append of a cache in the activations' dtype, for worker_svc.cpu.decode (raw pointers)
+        self.kv_write = lib.kv_write
+        self.kv_write.restype = ctypes.c_int
+        self.kv_write.argtypes = [p, i64, i64, p, i64, p, i64, p, i64]
+
+    def function(self, dtype: torch.dtype, kv_dtype: torch.dtype):
+        """The raw C function for queries of ``dtype`` over a cache of ``kv_dtype`` (ctypes, pointers
+        and sizes as :meth:`paged_attention` passes them)."""
+        return self._fns[dtype, kv_dtype]
 
     def supports(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool:
         """Whether queries of ``dtype`` attend over a cache of ``kv_dtype`` (default: the same)."""

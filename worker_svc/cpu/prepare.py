@@ -26,6 +26,7 @@ from torch import nn
 from kvcache import paged
 from worker_svc.cpu import attention, features
 from worker_svc.cpu.bf16_linear import compute_bf16_model_in_fp32
+from worker_svc.cpu.decode import MAX_TOKENS, QuantDecode
 from worker_svc.cpu.fused import use_fused_cpu_kernels
 from worker_svc.cpu.linear import pack_linears_for_cpu
 from worker_svc.cpu.quantized import compute_quantized_model, is_quantized
@@ -49,9 +50,14 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool =
     fused = use_fused_cpu_kernels(model, compute_dtype) > 0
     paged.use_cpu_attention(attention.kernel, every_chunk=deterministic)
     attention_path = paged.prepare_cpu_attention(compute_dtype, dtype)
-    log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s%s", linears,
+    lean = ""
+    if attention_path == "C kernel" and hasattr(model, "cpu_decode"):
+        model.cpu_decode = QuantDecode.of(model)
+        if model.cpu_decode is not None:
+            lean = f"; steps of up to {MAX_TOKENS} tokens in one lean pass of C calls"
+    log.info("CPU kernels: linears %s; norms, SiLU and rotary %s; attention %s%s%s", linears,
              "fused C" if fused else "torch operators", attention_path,
-             " for every chunk (--deterministic)" if deterministic and attention_path == "C kernel" else "")
+             " for every chunk (--deterministic)" if deterministic and attention_path == "C kernel" else "", lean)
     if deterministic and attention_path != "C kernel":
         log.warning("--deterministic: attention is not available in C here (%s), so a request's tokens may still "
                     "depend on its batch and on prefix-cache hits", attention_path)

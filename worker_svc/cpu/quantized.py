@@ -229,11 +229,29 @@ class QuantPart(NamedTuple):
     out_features: int
 
 
+def merge_parts(parts: list[QuantPart]) -> list[QuantPart]:
+    """Adjacent parts of one block type as one part, where the earlier ones fill whole groups of
+    32 columns: the packed layout is group after group, so their packed bytes side by side are the
+    packing of the stacked weight, and one kernel call covers them (q, k and v of one type: one
+    call instead of three, the same sums)."""
+    merged: list[QuantPart] = []
+    for part in parts:
+        last = merged[-1] if merged else None
+        if last is not None and last.btype is part.btype and last.out_features % GROUP == 0:
+            merged[-1] = QuantPart(part.btype, torch.cat([last.packed, part.packed]),
+                                   last.out_features + part.out_features)
+        else:
+            merged.append(part)
+    return merged
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with W kept as packed blocks, one or several parts side by side along the
     outputs (``parts``: q, k and v, or gate and up, when their types differ); b fp32, x and y in
     ``compute_dtype``: fp32, or bf16 (set by :func:`compute_quantized_model` where the kernel has
-    AVX-512 BF16). Input [..., in] -> [..., out]."""
+    AVX-512 BF16). Input [..., in] -> [..., out]. ``types`` and ``sizes`` name the source parts;
+    the packed ones (:meth:`parts`) are those merged where one call covers several
+    (:func:`merge_parts`)."""
 
     def __init__(self, parts: list[QuantPart], in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -241,14 +259,19 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
         self.types = [p.btype for p in parts]
         self.sizes = [p.out_features for p in parts]
-        for i, part in enumerate(parts):
+        packed = merge_parts(parts)
+        self.packed_types = [p.btype for p in packed]
+        self.packed_sizes = [p.out_features for p in packed]
+        for i, part in enumerate(packed):
             self.register_buffer(f"packed_{i}", part.packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         self.lib = kernel()
         self.compute_dtype = torch.float32
 
     def parts(self) -> list[QuantPart]:
-        return [QuantPart(t, getattr(self, f"packed_{i}"), n) for i, (t, n) in enumerate(zip(self.types, self.sizes))]
+        """The packed parts, side by side along the outputs."""
+        return [QuantPart(t, getattr(self, f"packed_{i}"), n)
+                for i, (t, n) in enumerate(zip(self.packed_types, self.packed_sizes))]
 
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 [out, in] (the reference; the fallback without a C compiler)."""

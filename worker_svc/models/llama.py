@@ -124,6 +124,9 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     model_class = LlamaModel
+    # the lean CPU pass for small steps of a model with quantized linears (worker_svc.cpu.decode,
+    # set by worker_svc.cpu.prepare where the model qualifies); None: the modules serve every step
+    cpu_decode = None
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__(config, tp)
@@ -139,6 +142,9 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         """Runs every layer over the step's flattened tokens; returns the final-normed hidden states
         of the tokens at ``meta.logits_indices`` only: [num_sampled, hidden]."""
+        fast = self.cpu_decode
+        if fast is not None and fast.accepts(input_ids.shape[0], kv_cache, meta):
+            return fast.forward(input_ids, positions, kv_cache, meta)
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.model.rotary_emb(positions, hidden.dtype)
         for i, layer in enumerate(self.model.layers):

@@ -352,5 +352,19 @@ DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16, ui
 DEFINE_PAGED_ATTENTION(paged_attention_f32_bf16kv, float, LOAD_F32, STORE_F32, uint16_t, block_scores_bf16,
                        block_values_bf16)
 
+/* The append of a step's K and V rows into a layer's cache [2, num_slots, row_bytes] (kvcache.paged.write_kv's
+ * scatter, for caches of the activations' dtype): token t's rows (key + t * key_stride, value + t * value_stride,
+ * bytes) go to slot slots[t]. Returns -5, writing nothing, when a slot is outside the cache. */
+int kv_write(char *kv, int64_t num_slots, int64_t row_bytes, const char *key, int64_t key_stride, const char *value,
+             int64_t value_stride, const int64_t *slots, int64_t num_tokens) {
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -5;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        memcpy(kv + slots[t] * row_bytes, key + t * key_stride, (size_t)row_bytes);
+        memcpy(kv + (num_slots + slots[t]) * row_bytes, value + t * value_stride, (size_t)row_bytes);
+    }
+    return 0;
+}
+
 /* The ABI version worker_svc/cpu/attention.py expects; bump it when a signature changes. */
 int pagewire_cpu_kernels_abi(void) { return 3; }
