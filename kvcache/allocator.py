@@ -198,6 +198,35 @@ class BlockAllocator:
         self._ref_counts[block_id] = 1
         return block_id
 
+    def _pop_free_many(self, count: int) -> list[int]:
+        """``count`` blocks taken as ``count`` calls of ``_pop_free`` would take them (head first,
+        evicting their hashes in that order), in one walk of the free list."""
+        if count == 1:
+            return [self._pop_free()]
+        if count <= 0:
+            return []
+        next_free, prev_free, block_hashes, ref_counts = self._next_free, self._prev_free, self._block_hashes, self._ref_counts
+        sentinel = self._sentinel
+        assert count <= self._num_free, "free list is short (need was not checked)"
+        taken: list[int] = []
+        block_id = next_free[sentinel]
+        for _ in range(count):
+            taken.append(block_id)
+            following = next_free[block_id]
+            prev_free[block_id] = next_free[block_id] = _DETACHED
+            ref_counts[block_id] = 1
+            block_hash = block_hashes[block_id]
+            if block_hash is not None:
+                del self._hash_to_block[block_hash]
+                block_hashes[block_id] = None
+                if self._kv_events is not None:
+                    self._record_removed(block_hash)
+            block_id = following
+        next_free[sentinel] = block_id
+        prev_free[block_id] = sentinel
+        self._num_free -= count
+        return taken
+
     def _acquire(self, block_id: int) -> None:
         """Add a reference to a cached block, reviving it from the free list if needed."""
         if self._ref_counts[block_id] == 0:
@@ -251,16 +280,20 @@ class BlockAllocator:
                 f"{self._seq_num_tokens[seq_id]} or len(token_ids)={len(token_ids)}"
             )
         hashes = self._seq_block_hashes[seq_id]
-        for block_index in range(len(hashes), num_computed_tokens // self.block_size):
-            parent_hash = hashes[-1] if hashes else _ROOT_BLOCK_HASH
-            block_hash = self._block_hash(parent_hash, token_ids, block_index)
+        block_size, block_hashes, hash_to_block = self.block_size, self._block_hashes, self._hash_to_block
+        parent_hash = hashes[-1] if hashes else _ROOT_BLOCK_HASH
+        for block_index in range(len(hashes), num_computed_tokens // block_size):
+            start = block_index * block_size
+            # chain_block_hash, inlined: one call per full block of every prompt
+            block_hash = hash((parent_hash, tuple(token_ids[start : start + block_size])))
             hashes.append(block_hash)
             block_id = block_ids[block_index]
-            if self._block_hashes[block_id] is None and block_hash not in self._hash_to_block:
-                self._block_hashes[block_id] = block_hash
-                self._hash_to_block[block_hash] = block_id
+            if block_hashes[block_id] is None and block_hash not in hash_to_block:
+                block_hashes[block_id] = block_hash
+                hash_to_block[block_hash] = block_id
                 if self._kv_events is not None:
                     self._record_stored(block_hash, parent_hash, token_ids, block_index)
+            parent_hash = block_hash
 
     # ---- sequences ----------------------------------------------------------------------
     def _blocks_of(self, seq_id: int) -> list[int]:
@@ -307,7 +340,7 @@ class BlockAllocator:
             num_cached_tokens = len(token_ids) - 1
         else:
             num_cached_tokens = num_matched_tokens
-        block_ids = matched_block_ids + [self._pop_free() for _ in range(num_fresh)]
+        block_ids = matched_block_ids + self._pop_free_many(num_fresh)
         self._seq_block_ids[seq_id] = block_ids
         self._seq_num_tokens[seq_id] = len(token_ids)
         self._seq_block_hashes[seq_id] = matched_hashes
@@ -382,6 +415,11 @@ class BlockAllocator:
         self._seq_num_tokens[seq_id] = num_tokens + 1
         return block_id
 
+    def grow_within_limit(self, seq_id: int, num_tokens: int) -> None:
+        """``grow_in_place`` for growth the caller has checked against ``growth_limit`` (not
+        checked again here; ``check_integrity`` finds a length past a sequence's blocks)."""
+        self._seq_num_tokens[seq_id] = num_tokens
+
     def grow_in_place_many(self, seq_ids: list[int], num_tokens: list[int]) -> None:
         """``grow_in_place`` for many sequences at once, for growth the caller has checked against
         ``growth_limit`` (not checked again here; ``check_integrity`` finds a length past a
@@ -417,7 +455,7 @@ class BlockAllocator:
             block_ids[write_index] = dst
             copies.append((src, dst))
             block_table_start = write_index
-        block_ids.extend(self._pop_free() for _ in range(num_new_blocks))
+        block_ids.extend(self._pop_free_many(num_new_blocks))
         self._seq_num_tokens[seq_id] = num_tokens
         return AppendResult(block_table_start, block_ids[block_table_start:], copies)
 
@@ -425,8 +463,22 @@ class BlockAllocator:
         """Release the sequence's blocks last block first, so a prompt's tail is evicted before
         its (more often shared) head."""
         block_ids = self._blocks_of(seq_id)
-        for block_id in reversed(block_ids):
-            self._release(block_id)
+        ref_counts, next_free, prev_free = self._ref_counts, self._next_free, self._prev_free
+        sentinel = self._sentinel
+        tail = prev_free[sentinel]
+        num_freed = 0
+        for block_id in reversed(block_ids):  # _release, inlined: the tail grows block by block
+            ref_count = ref_counts[block_id] - 1
+            ref_counts[block_id] = ref_count
+            if ref_count == 0:  # keeps its hash: it can be revived
+                next_free[tail] = block_id
+                prev_free[block_id] = tail
+                tail = block_id
+                num_freed += 1
+        if num_freed:
+            next_free[tail] = sentinel
+            prev_free[sentinel] = tail
+            self._num_free += num_freed
         del self._seq_block_ids[seq_id]
         del self._seq_num_tokens[seq_id]
         del self._seq_block_hashes[seq_id]

@@ -98,11 +98,13 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int] | None, sampling: SamplingParams, *,
-                 strict_length: bool = False) -> list[int]:
-        """Check a request and return its prompt token ids (``ValueError`` says what is wrong)."""
+                 strict_length: bool = False, decoded: bool = False) -> list[int]:
+        """Check a request and return its prompt token ids (``ValueError`` says what is wrong).
+        ``decoded``: the ids are a list of Python ints of the caller's own (decoded from the
+        wire), returned as they are instead of converted one by one into a new list."""
         if prompt_token_ids is None:
             raise ValueError("a request needs a prompt (the engine core takes token ids)")
-        token_ids = [int(t) for t in prompt_token_ids]
+        token_ids = prompt_token_ids if decoded else [int(t) for t in prompt_token_ids]
         if sampling.structured_output is not None and not self.worker_info.structured_output:
             raise ValueError("this model serves no structured output: it has no tokenizer.json, or the grammar engine refuses its tokenizer (the worker's log says why)")
         validate_prompt_tokens(token_ids, sampling, vocab_size=self.worker_info.vocab_size,

@@ -232,7 +232,7 @@ class Scheduler:
         target = computed + num_new
         if target <= batch.limit[slot]:  # its blocks hold it
             if target > batch.slot_tokens[slot]:
-                self.allocator.grow_in_place(seq.seq_id, target)
+                self.allocator.grow_within_limit(seq.seq_id, target)
                 batch.slot_tokens[slot] = target
         else:
             while not self._grow(seq, target, plan, plan_row):

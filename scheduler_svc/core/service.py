@@ -282,7 +282,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             client.error(request_id, grpc.StatusCode.ALREADY_EXISTS, f"a request with id {add.name!r} is already running")
             return
         try:
-            token_ids = engine.validate(add.prompt_token_ids, add.sampling, strict_length=True)
+            # CoreRequests.from_bytes decoded the ids into a list of ints of this add's own
+            token_ids = engine.validate(add.prompt_token_ids, add.sampling, strict_length=True, decoded=True)
         except ValueError as e:
             self.num_rejected += 1
             client.error(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
