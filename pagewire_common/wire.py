@@ -122,10 +122,26 @@ def sampling_to_pb(params: SamplingParams) -> gen_pb.SamplingParams:
 
 def _shared_sampling_pb(params: SamplingParams) -> gen_pb.SamplingParams:
     """The message for ``params``, memoized by the frozen params when they are small (as in
-    :func:`sampling_from_pb`): shared, so callers copy it (a message field's constructor does)."""
+    :func:`sampling_from_pb`): shared, so callers copy it (a message field's constructor does).
+    The last small params' message is also kept by identity: served requests with the same
+    parameters share one ``SamplingParams`` (``sampling_from_pb``'s memo), and looking it up
+    again costs a hash of every field."""
+    global _last_shared_sampling
+    last = _last_shared_sampling
+    if last is not None and last[0] is params:
+        return last[1]
     size = (len(params.json_schema or "") + len(params.regex or "") + len(params.grammar or "")
             + sum(len(s) for s in params.stop) + 8 * (len(params.logit_bias) + len(params.stop_token_ids)))
-    return _memo_sampling_to_pb(params) if size <= _SAMPLING_MEMO_MAX_BYTES else _encode_sampling(params)
+    if size > _SAMPLING_MEMO_MAX_BYTES:
+        return _encode_sampling(params)
+    msg = _memo_sampling_to_pb(params)
+    _last_shared_sampling = (params, msg)
+    return msg
+
+
+# (params, message) of the last small params _shared_sampling_pb encoded (frozen: the same object
+# always gives the same message)
+_last_shared_sampling: tuple[SamplingParams, gen_pb.SamplingParams] | None = None
 
 
 @functools.lru_cache(maxsize=_SAMPLING_MEMO_SIZE)
@@ -167,18 +183,17 @@ def _encode_sampling(params: SamplingParams) -> gen_pb.SamplingParams:
 
 def plan_to_pb(plan: StepPlan) -> worker_pb.StepPlan:
     msg = worker_pb.StepPlan(step_id=plan.step_id)
+    new_seqs = msg.new_seqs
     for s in plan.new_seqs:
-        msg.new_seqs.append(
-            worker_pb.NewSequence(
-                seq_id=s.seq_id,
-                token_ids=_bytes(s.token_ids, _I32),
-                block_ids=_bytes(s.block_ids, _I32),
-                num_computed_tokens=s.num_computed_tokens,
-                num_scheduled_tokens=s.num_scheduled_tokens,
-                sampling=_shared_sampling_pb(s.sampling),  # copied in
-                num_prompt_tokens=s.num_prompt_tokens,
-                stop_token_ids=_bytes(s.stop_token_ids, _I32) if s.stop_token_ids else b"",
-            )
+        new_seqs.add(  # built in place: append would copy a message built apart
+            seq_id=s.seq_id,
+            token_ids=_bytes(s.token_ids, _I32),
+            block_ids=_bytes(s.block_ids, _I32),
+            num_computed_tokens=s.num_computed_tokens,
+            num_scheduled_tokens=s.num_scheduled_tokens,
+            sampling=_shared_sampling_pb(s.sampling),  # copied in
+            num_prompt_tokens=s.num_prompt_tokens,
+            stop_token_ids=_bytes(s.stop_token_ids, _I32) if s.stop_token_ids else b"",
         )
     if len(plan.running_seq_ids):
         msg.running_seq_ids = plan.running_seq_ids.astype(_I64, copy=False).tobytes()
