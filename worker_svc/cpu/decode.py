@@ -26,7 +26,7 @@ from torch import nn
 from kvcache.paged import AttentionMetadata, PagedKVCache
 from worker_svc.cpu import attention as cpu_attention
 from worker_svc.cpu.fused import FusedKernels
-from worker_svc.cpu.quantized import QuantLinear
+from worker_svc.cpu.quantized import QuantEmbedding, QuantLinear
 
 # steps of up to this many tokens take the lean pass; larger ones amortize the modules' overhead
 MAX_TOKENS = 32
@@ -138,6 +138,11 @@ class QuantDecode:
                 return None
             if not (attn.qkv_proj.in_features == attn.o_proj.out_features == mlp.gate_up_proj.in_features):
                 return None
+        embed = inner.embed_tokens
+        embed_dtype = embed.head.compute_dtype if isinstance(embed, QuantEmbedding) else (
+            getattr(embed, "output_dtype", None) or getattr(embed, "weight", torch.empty(0)).dtype)
+        if embed_dtype != dtype:  # the hidden states would change dtype at the first layer
+            return None
         return cls(model, fused, attention, dtype)
 
     def accepts(self, num_tokens: int, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
