@@ -284,8 +284,7 @@ class BlockAllocator:
         parent_hash = hashes[-1] if hashes else _ROOT_BLOCK_HASH
         for block_index in range(len(hashes), num_computed_tokens // block_size):
             start = block_index * block_size
-            # chain_block_hash, inlined: one call per full block of every prompt
-            block_hash = hash((parent_hash, tuple(token_ids[start : start + block_size])))
+            block_hash = chain_block_hash(parent_hash, token_ids[start : start + block_size])
             hashes.append(block_hash)
             block_id = block_ids[block_index]
             if block_hashes[block_id] is None and block_hash not in hash_to_block:
