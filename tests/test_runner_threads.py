@@ -28,8 +28,9 @@ def run_steps(chooser: StepThreads, num_tokens: int, seconds: dict[int, float], 
 
 def test_a_size_starts_on_all_threads_tries_one_then_takes_the_faster_choice():
     chooser = StepThreads(2)
-    picked = run_steps(chooser, 1, {1: 0.010, 2: 0.008}, 5)
-    assert picked == [2, 1, 2, 2, 2]  # one thread tried on the second step, slower: two kept
+    picked = run_steps(chooser, 1, {1: 0.010, 2: 0.008}, 6)
+    # each choice's first step is not counted: two threads twice, then one thread twice, slower: two kept
+    assert picked == [2, 2, 1, 1, 2, 2]
     # the machine gets busy: two threads take 5x one's time; one step on them and a try of one, kept
     picked = run_steps(chooser, 1, {1: 0.012, 2: 0.060}, 400)
     switch = picked.index(1)
@@ -42,12 +43,12 @@ def test_a_size_starts_on_all_threads_tries_one_then_takes_the_faster_choice():
 
 def test_each_size_of_step_is_measured_apart_per_token():
     chooser = StepThreads(4)
-    # 32-token steps start on all four threads, try one on their second step, and keep four
-    assert run_steps(chooser, 32, {1: 0.080, 4: 0.040}, 4) == [4, 1, 4, 4]
+    # 32-token steps start on all four threads, try one after two steps, and keep four
+    assert run_steps(chooser, 32, {1: 0.080, 4: 0.040}, 6) == [4, 4, 1, 1, 4, 4]
     # a 40-token step is of the same size (32 to 63 tokens): its time per token is compared
     assert chooser.pick(40) == 4
-    # single-token steps know nothing of that: all threads first, one on the second step, then the faster
-    assert run_steps(chooser, 1, {1: 0.010, 4: 0.030}, 3) == [4, 1, 1]
+    # single-token steps know nothing of that: all threads first, then one, then the faster
+    assert run_steps(chooser, 1, {1: 0.010, 4: 0.030}, 5) == [4, 4, 1, 1, 1]
     # two threads' tries of the slower 32-token choice come once per PROBE_EVERY x 2 steps or later
     picked = run_steps(chooser, 32, {1: 0.080, 4: 0.040}, 4 * PROBE_EVERY)
     assert 1 <= picked.count(1) <= 2
@@ -88,8 +89,8 @@ def decode(tiny_model_dir, prompt: list[int], steps: int) -> tuple[list[int], li
 
 def test_the_runner_sets_the_picked_threads_around_each_step(tiny_model_dir, two_threads, monkeypatch):
     tokens, threads = decode(tiny_model_dir, [5, 9, 3, 11, 2], 6)
-    # the 5-token prefill on the process's two threads, the first decode too, the second on one
-    assert threads[:3] == [2, 2, 1]
+    # the 5-token prefill on the process's two threads, the first two decodes too, the third on one
+    assert threads[:4] == [2, 2, 2, 1]
     monkeypatch.setattr(StepThreads, "pick", lambda self, num_tokens: self.num_threads)  # always both
     same, threads = decode(tiny_model_dir, [5, 9, 3, 11, 2], 6)
     assert threads == [2] * 7 and same == tokens
@@ -98,5 +99,16 @@ def test_the_runner_sets_the_picked_threads_around_each_step(tiny_model_dir, two
 def test_a_try_must_beat_the_current_choice_clearly_to_take_over():
     chooser = StepThreads(2)
     # one thread 5% faster than two: noise, two kept; 20% faster: one takes over
-    assert run_steps(chooser, 1, {1: 0.0095, 2: 0.010}, 3) == [2, 1, 2]
-    assert run_steps(StepThreads(2), 1, {1: 0.008, 2: 0.010}, 3) == [2, 1, 1]
+    assert run_steps(chooser, 1, {1: 0.0095, 2: 0.010}, 5) == [2, 2, 1, 1, 2]
+    assert run_steps(StepThreads(2), 1, {1: 0.008, 2: 0.010}, 5) == [2, 2, 1, 1, 1]
+
+
+def test_a_choices_first_step_of_a_size_is_not_counted():
+    chooser = StepThreads(2)
+    slow_start = iter([0.300] + [0.008] * 20)  # two threads' first step pays the threads' start
+    picked = []
+    for _ in range(8):
+        threads = chooser.pick(1)
+        chooser.record(1, threads, next(slow_start) if threads == 2 else 0.010)
+        picked.append(threads)
+    assert picked == [2, 2, 1, 1, 2, 2, 2, 2]  # one thread (0.010) never beat two's 0.008

@@ -14,7 +14,10 @@ other on the second step of a size and then now and then (less often the slower 
 the choice follows the load.
 
 A step of each size starts on all threads; a try of the slower choice costs at most about
-1 / PROBE_EVERY of the steps' time. Torch-free: the runner sets the count it picks
+1 / PROBE_EVERY of the steps' time. Each choice's first step of a size is not counted: it carries
+one-off costs (the threads' start, first touches of the weights and of buffers kept per step size:
+36 ms against ~4 for a lone stream's decode on two threads), and counted it made the second
+choice, tried after them, look faster for a long while. Torch-free: the runner sets the count it picks
 (``torch.set_num_threads``) around the step.
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # try the other choice once every this many steps of a size, times how much slower it was
 PROBE_EVERY = 32
@@ -42,6 +45,7 @@ class _SizeChoice:
     best: int
     mean_s: dict[int, float | None]
     since_probe: int = 0
+    warmed: set[int] = field(default_factory=set)  # the choices whose first step (not counted) ran
 
 
 class StepThreads:
@@ -71,7 +75,7 @@ class StepThreads:
         best_s, other_s = choice.mean_s[choice.best], choice.mean_s[other]
         if best_s is None:
             return choice.best
-        if other_s is None:  # the second step of this size tries the other choice
+        if other_s is None:  # the third step of this size tries the other choice (twice: see record)
             return other
         if choice.since_probe >= PROBE_EVERY * other_s / best_s:
             return other
@@ -82,6 +86,9 @@ class StepThreads:
         if self.num_threads <= 1:
             return
         choice = self._size(num_tokens)
+        if threads not in choice.warmed:
+            choice.warmed.add(threads)
+            return
         per_token = seconds / num_tokens
         mean = choice.mean_s[threads]
         # the faster choice runs most steps and keeps a moving mean; a try of the other stands for it
