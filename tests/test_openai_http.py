@@ -211,17 +211,22 @@ def test_full_queue_is_429(stack):
     # 8 running + 4 waiting fill the core; more requests at once are refused with 429, which the
     # official client raises as RateLimitError
     results: list[str] = []
+    # the clients are built first and the requests leave together: built one by one as they went,
+    # the first requests could finish before the last were sent, and the queue never filled
+    clients = [client(url) for _ in range(24)]
+    start = threading.Barrier(len(clients))
 
-    def one():
+    def one(c):
+        start.wait()
         try:
-            client(url).completions.create(model=model, prompt=PROMPTS[2], max_tokens=40, temperature=0,
-                                           extra_body={"ignore_eos": True})
+            c.completions.create(model=model, prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                 extra_body={"ignore_eos": True})
             results.append("ok")
         except openai.RateLimitError as e:
             assert e.status_code == 429 and e.body["type"] == "rate_limit_error"
             results.append("429")
 
-    threads = [threading.Thread(target=one) for _ in range(24)]
+    threads = [threading.Thread(target=one, args=(c,)) for c in clients]
     for t in threads:
         t.start()
     for t in threads:
