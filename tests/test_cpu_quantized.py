@@ -214,6 +214,19 @@ def test_tiny_gguf_served_from_its_blocks_equals_its_fp32_dequantization(lib, ti
     assert quantized == greedy(model_dir, prompts, gguf_weights="dequantize")
 
 
+def test_a_llama_gguf_with_q_and_k_biases_gets_them_back_in_hugging_face_order(lib, tiny_model_dir, tmp_path):
+    """llama.cpp permutes a llama GGUF's q and k bias elements as it permutes their rows."""
+    source = tiny_model_dir("qwen2-bias")  # its head is its embedding
+    model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=True, types=MIXED)
+    model, _ = load_model(model_dir, torch.float32, "cpu", gguf_weights="quantized")
+    qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+    dense = dict(iter_weights(model_dir))
+    expected = torch.cat([dense[f"model.layers.0.self_attn.{p}.bias"] for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(qkv.bias, expected)
+    prompts = sample_prompts(source, n=3, lengths=(1, 9, 33))
+    assert greedy(model_dir, prompts, gguf_weights="quantized") == greedy(model_dir, prompts, gguf_weights="dequantize")
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_tiny_gguf_served_from_its_blocks_in_bf16_equals_its_bf16_dequantization(bf16_lib, tiny_model_dir, tmp_path,
                                                                                  caplog, tied):

@@ -170,7 +170,11 @@ class GGUFTensors:
         """The tensor's bytes, one row per output (uint8 [N, bytes per row]), in Hugging Face order."""
         data = self.file.raw(name)
         heads = self._permuted_heads(name)
-        return _unpermute_rows(data, heads) if heads else data
+        if not heads:
+            return data
+        if len(self.file.shapes[name]) == 1:  # a q or k bias: its elements are permuted as the rows are
+            data = data.reshape(self.file.shapes[name][0], -1)
+        return _unpermute_rows(data, heads)
 
     def _permuted_heads(self, name: str) -> int | None:
         if not self.permuted:
