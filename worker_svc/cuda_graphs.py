@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvcache.paged import AttentionMetadata, PagedKVCache
-from worker_svc.step_io import Section
+from worker_svc.step_io import ALIGN, Section, aligned
 
 log = logging.getLogger("pagewire.worker")
 
@@ -79,15 +79,17 @@ class DecodeGraphs:
         b, dev = self.max_batch, self.device
         # the static inputs a step writes (ids, positions, slots, context lengths) are views at
         # fixed offsets of one device buffer, so one host-to-device copy fills them
-        # (worker_svc.step_io); what a step stages besides them goes after STATIC_END
+        # (worker_svc.step_io); what a step stages besides them goes after static_end
         # (the rows of the block tables, and input ids to take from the device: 24 bytes a row)
-        self.inputs = torch.zeros(56 * b + 64, dtype=torch.uint8, device=dev)
-        self.offsets = (0, 8 * b, 16 * b, 24 * b)
-        self.static_end = 32 * b
-        self.input_ids = self.inputs[: 8 * b].view(torch.int64)
-        self.positions = self.inputs[8 * b : 16 * b].view(torch.int64)
-        self.slot_mapping = self.inputs[16 * b : 24 * b].view(torch.int64)
-        self.seq_lens = self.inputs[24 * b : 28 * b].view(torch.int32)
+        sizes = (8 * b, 8 * b, 8 * b, 4 * b)  # ids, positions, slots (int64), context lengths (int32)
+        offsets = [0]
+        for size in sizes:
+            offsets.append(aligned(offsets[-1] + size))
+        self.offsets, self.static_end = tuple(offsets[:4]), offsets[4]
+        self.inputs = torch.zeros(self.static_end + aligned(24 * b) + 3 * ALIGN, dtype=torch.uint8, device=dev)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = (
+            self.inputs[o : o + n].view(dtype) for o, n, dtype in zip(
+                self.offsets, sizes, (torch.int64, torch.int64, torch.int64, torch.int32)))
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.block_tables = torch.zeros((b, max_blocks_per_seq), dtype=torch.int32, device=dev)  # [b, max_blocks]

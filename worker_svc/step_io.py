@@ -2,7 +2,7 @@
 sampled tokens back without stopping the host.
 
 ``HostToDevice.stage`` writes every host array of a step (token ids, positions, slots, lengths,
-rows, ...) at its own 8-byte-aligned offset of one pinned buffer and copies the used bytes with
+rows, ...) at its own 64-byte-aligned offset of one pinned buffer and copies the used bytes with
 one non-blocking copy; each array comes back as a view of the device buffer with its own dtype.
 A destination may be given (the CUDA graphs' static inputs live at fixed offsets of one device
 buffer, so their step inputs land in place). The pinned buffers alternate between two, so a step
@@ -35,8 +35,15 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float3
 _ITEMSIZE = {dtype: np.dtype(np_type).itemsize for dtype, np_type in _NUMPY.items()}
 
 
-def _aligned(offset: int) -> int:
-    return (offset + 7) & ~7
+# every section starts on a multiple of this many bytes: Triton compiles a kernel variant per
+# argument pointer that is, or is not, 16-byte aligned (its divisibility specialization), and the
+# worker compiles the aligned ones at start; one misaligned view would compile mid-serving
+ALIGN = 64
+
+
+def aligned(offset: int) -> int:
+    """``offset`` rounded up to a multiple of ``ALIGN``."""
+    return -(-offset // ALIGN) * ALIGN
 
 
 @dataclass(slots=True)
@@ -50,12 +57,12 @@ class Section:
 
 
 def layout(sections: list[Section], start: int = 0) -> int:
-    """Give every section without an offset one after the previous (8-byte aligned); returns the
-    end of the last."""
+    """Give every section without an offset one after the previous (``ALIGN``-byte aligned);
+    returns the end of the last."""
     end = start
     for s in sections:
         if s.offset is None:
-            s.offset = _aligned(end)
+            s.offset = aligned(end)
         end = max(end, s.offset + s.array.size * _ITEMSIZE[s.dtype])
     return end
 
