@@ -7,7 +7,8 @@ Two checks, each in a subprocess (the interpreter setting must be made before tr
   binder for an sm_90 target (the one ``JITFunction.run`` keys its cache by; no GPU needed) gives
   the key of every launch; the keys of steps of every shape the worker makes (decodes of any batch
   and context, prefill chunks, mixed batches, any key split, graph-sized static buffers, queries
-  that are views of a fused qkv projection) must all be among the warm-up's.
+  that are views of a fused qkv projection, lengths staged at the worker's offsets of one buffer:
+  Triton keys pointers by their 16-byte alignment) must all be among the warm-up's.
 - the warm-up's launches run: compiled on a CUDA device, under the interpreter on CPU.
 """
 
@@ -39,6 +40,7 @@ def run_script(script: str, interpret: bool) -> str:
 KEYS_SCRIPT = textwrap.dedent(
     """
     import random
+    import numpy as np
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -64,6 +66,9 @@ KEYS_SCRIPT = textwrap.dedent(
     ta.check_device = lambda device: None
     ta._num_sms = lambda device: 132  # an H100's count: the key split a GPU would choose
 
+    from worker_svc.step_io import HostToDevice, Section
+    staging, staged = HostToDevice(torch.device("cpu")), torch.zeros(1 << 20, dtype=torch.uint8)
+
     def worker_launches(num_heads, kv_layer, rng, max_model_len):
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
         max_blocks = -(-max_model_len // block_size)
@@ -81,9 +86,12 @@ KEYS_SCRIPT = textwrap.dedent(
             cu = [0]
             for q in q_lens:
                 cu.append(cu[-1] + q)
+            # the step's arrays as the worker stages them: views at its offsets of one buffer
+            slots, query_start_loc, lens = staging.stage([
+                Section(np.zeros(cu[-1], dtype=np.int64), torch.int64), Section(np.array(cu), torch.int32),
+                Section(np.array(seq_lens), torch.int32)], dest=staged)
             meta = AttentionMetadata(
-                slot_mapping=torch.zeros(cu[-1], dtype=torch.int64),
-                query_start_loc=torch.tensor(cu, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                slot_mapping=slots, query_start_loc=query_start_loc, seq_lens=lens,
                 block_tables=block_tables, max_query_len=max(q_lens),
                 max_seq_len=max_model_len if graph else max(seq_lens),
                 query_lens_cpu=q_lens, seq_lens_cpu=seq_lens, logits_indices=torch.tensor(cu[1:]) - 1,
