@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -100,9 +101,14 @@ def test_tokenizer_helper_dies_outright_when_the_thread_that_started_it_ends(tok
             starter.submit(offloaded.warm_up).result()
             helpers = list(offloaded._pool._processes.values())
             assert [h.is_alive() for h in helpers] == [True]
-        # the starting thread has ended
+        # the starting thread has ended. The pool's manager thread reaps the dead helper too: a
+        # join that loses that race to waitpid returns before the exit code is recorded, so the
+        # code is read until it is there
+        deadline = time.monotonic() + 10
         for helper in helpers:
             helper.join(10)
+            while helper.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
         assert [h.exitcode for h in helpers] == [-signal.SIGTERM]
     finally:
         offloaded.close()
