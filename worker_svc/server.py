@@ -6,7 +6,10 @@ inline on that thread: there is one scheduler and one plan at a time, so nothing
 loop during a step, and no step ever crosses a thread. (torch's CPU kernels also run markedly
 slower when driven from a thread other than the main one: 1.5x here, as OpenMP sets up a thread
 team per calling thread.) gRPC's core keeps answering keepalive pings on the session from its own
-poller thread while a step runs.
+poller thread while a step runs. A runner that launches steps ahead (CUDA) has each plan launched
+as it arrives and the step before it finished after; while a launched step runs with no plan
+come yet, one helper thread waits on its event, so that its result goes as soon as the device is
+done (``WorkerServicer._launch_ahead``).
 """
 
 from __future__ import annotations
@@ -115,7 +118,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 except GroupFailed as e:
                     self.on_fatal(str(e))
             log.info("scheduler disconnected")
-
 
     @staticmethod
     def _decode(data: bytes):
