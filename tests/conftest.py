@@ -26,3 +26,14 @@ def smollm2_dir():
     from worker_svc.weights import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def quant_lib():
+    """The quantized-linear C kernels (``worker_svc.cpu.quantized``); skips where none is built."""
+    from worker_svc.cpu import quantized
+
+    built = quantized.kernel()
+    if built is None:
+        pytest.skip("no C compiler")
+    return built

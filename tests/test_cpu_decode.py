@@ -20,14 +20,6 @@ from worker_svc.cpu import fused as cpu_fused
 from worker_svc.cpu import quantized as Q
 
 
-@pytest.fixture(scope="module")
-def lib():
-    lib = Q.kernel()
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
-
-
 def checked_forward(monkeypatch) -> list[int]:
     """Make every lean pass also run the modules on the same step and assert the same hidden states;
     returns the list of the step sizes checked."""
@@ -52,7 +44,7 @@ def checked_forward(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind,tied", [("llama-gqa", False), ("llama-gqa", True), ("qwen2-bias", True)],
                          ids=["gguf-untied", "gguf-tied", "int8-biases"])
-def test_lean_pass_equals_the_modules(lib, tiny_model_dir, tmp_path, monkeypatch, dtype, kind, tied):
+def test_lean_pass_equals_the_modules(quant_lib, tiny_model_dir, tmp_path, monkeypatch, dtype, kind, tied):
     if dtype == "bfloat16" and not Q.bf16_kernel_available():
         pytest.skip("bf16 compute needs the AVX-512 BF16 kernel (a bf16 model computes in fp32 here)")
     fused = cpu_fused.kernel()
@@ -85,7 +77,7 @@ def test_lean_pass_equals_the_modules(lib, tiny_model_dir, tmp_path, monkeypatch
     assert max(checked) <= decode.MAX_TOKENS
 
 
-def test_models_it_does_not_serve_keep_the_modules(lib, tiny_model_dir, tmp_path):
+def test_models_it_does_not_serve_keep_the_modules(quant_lib, tiny_model_dir, tmp_path):
     model_dir, _ = write_gguf_model(tiny_model_dir("llama-gqa"), tmp_path / "converted", tied=True, types=MIXED)
     with LLM(model_dir, dtype="float32", gguf_weights="dequantize") as llm:
         assert llm.runner.model.cpu_decode is None  # dense linears
@@ -93,7 +85,7 @@ def test_models_it_does_not_serve_keep_the_modules(lib, tiny_model_dir, tmp_path
         assert llm.runner.model.cpu_decode is None  # per-head q/k norms
 
 
-def test_lean_pass_takes_small_steps_only(lib, tiny_model_dir, tmp_path):
+def test_lean_pass_takes_small_steps_only(quant_lib, tiny_model_dir, tmp_path):
     from kvcache.paged import PagedKVCache
 
     fused = cpu_fused.kernel()
@@ -136,7 +128,7 @@ def test_kv_write_equals_the_scatter_and_refuses_slots_outside_the_cache():
     assert torch.equal(kv, before)  # nothing written
 
 
-def test_merged_parts_compute_what_the_parts_compute(lib):
+def test_merged_parts_compute_what_the_parts_compute(quant_lib):
     torch.manual_seed(3)
     k = 64
     types = [(Q.Q4_1, GGML.Q4_1, 64), (Q.Q4_1, GGML.Q4_1, 32), (Q.Q8_0, GGML.Q8_0, 32), (Q.Q8_0, GGML.Q8_0, 40),
@@ -153,5 +145,5 @@ def test_merged_parts_compute_what_the_parts_compute(lib):
     separate = torch.cat([Q.dequantize_ref(p.packed, p.btype, p.out_features, k) for p in parts])
     assert torch.equal(linear.dequantized(), separate)
     x = torch.randn(3, k)
-    expected = torch.cat([lib.linear(x, p.packed, p.btype, p.out_features, None) for p in parts], dim=1) + bias
+    expected = torch.cat([quant_lib.linear(x, p.packed, p.btype, p.out_features, None) for p in parts], dim=1) + bias
     assert torch.equal(linear(x), expected)

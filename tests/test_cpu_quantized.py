@@ -31,11 +31,8 @@ def quantized_blocks(weight: torch.Tensor, qtype) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def lib():
-    lib = Q.kernel()
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
+def lib(quant_lib):
+    return quant_lib
 
 
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
