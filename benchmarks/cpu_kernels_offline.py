@@ -74,7 +74,7 @@ def main() -> int:
                                  capture_output=True, text=True, check=True)
             results[config].append(out.stdout.split()[-1])
             print(f"{config}: {results[config][-1]} tok/s", file=sys.stderr, flush=True)
-    print(f"ISA {cpu_info().isa}, {args.dtype}; completion tok/s, best of {args.repeats}, per round")
+    print(f"ISA {cpu_info().isa_description}, {args.dtype}; completion tok/s, best of {args.repeats}, per round")
     for config in CONFIGS:
         print(f"{config:8s} {', '.join(results[config])}")
     return 0

@@ -143,7 +143,7 @@ def main() -> None:
     if lib is None:
         raise SystemExit("the CPU linear kernel did not build (is a C compiler on PATH?)")
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"threads {torch.get_num_threads()}, ISA {cpu_info().isa}; best of {args.repeats} timed loops, alternated")
+    print(f"threads {torch.get_num_threads()}, ISA {cpu_info().isa_description}; best of {args.repeats} timed loops, alternated")
     model_pass(lib, rows, args.repeats)
     if args.per_layer:
         per_layer(lib, rows, args.repeats)

@@ -69,7 +69,7 @@ from pagewire.bench.llamacpp import (
 from pagewire.bench.loadgen import LoadResult, build_requests, run_rng, word_prompts
 from pagewire.bench.metrics import RunMetrics, pooled_metrics, run_metrics
 from pagewire.bench.procs import RunCpu, serve_roles
-from pagewire.bench.report import cpu_info, environment, write_json
+from pagewire.bench.report import cpu_info, environment, isa_text, write_json
 from pagewire.bench.server import BenchError, ServedServer, free_port
 from pagewire.client import make_sampling
 from pagewire_common import eventloop
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             texts = word_prompts(most, args.prompt_len, tokenizer, run_rng(args.seed, 0, "prompts"))
         except ValueError as e:
             raise BenchError(f"prompts: {e}") from None
-        isa = cpu_info()["cpu_isa"] or "unknown"
+        isa = isa_text(cpu_info())
         print(f"{len(args.configs)} servers x {len(args.scenarios)} scenarios x {args.repeat_runs} cycle(s): "
               + "; ".join(f"{s.name}: {s.num_requests} requests over {s.concurrency} stream(s), {s.max_new_tokens} new "
                           "tokens" for s in args.scenarios)

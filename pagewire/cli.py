@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
+        from worker_svc.cpu import features
+
+        features.cap_torch_isa()  # PAGEWIRE_CPU_ISA: before anything imports torch
         if args.command == "worker":
             from worker_svc.server import serve
 

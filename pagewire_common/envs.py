@@ -10,6 +10,7 @@
 | PAGEWIRE_API_KEY | default of --api-key: clients must send ``authorization: Bearer KEY`` | none |
 | PAGEWIRE_DTYPE | default of --dtype | auto |
 | PAGEWIRE_LAUNCH_AHEAD | default of --launch-ahead | auto |
+| PAGEWIRE_CPU_ISA | the best x86 instruction set the CPU kernels, torch and ``--dtype auto`` may use: avx2, avx512f, avx512_bf16 or amx_bf16, at most the CPU's own; measures what a lesser CPU gets from the same code and tests the kernels' narrower paths (``worker_svc.cpu.features``) | the CPU's own |
 
 gRPC reads ``GRPC_VERBOSITY``: every pagewire command sets it to ERROR unless it is set or the
 log level is debug (``pagewire_common.logs``).
@@ -68,8 +69,14 @@ def metrics_multiprocess_dir() -> str | None:
 API_KEY_ENV = "PAGEWIRE_API_KEY"
 DTYPE_ENV = "PAGEWIRE_DTYPE"  # the default --dtype (tests pin float32 with it)
 LAUNCH_AHEAD_ENV = "PAGEWIRE_LAUNCH_AHEAD"  # the default --launch-ahead (tests run feature suites with it on)
+CPU_ISA_ENV = "PAGEWIRE_CPU_ISA"  # cap the instruction set the CPU paths use (worker_svc.cpu.features)
 PARENT_PID_ENV = "PAGEWIRE_PARENT_PID"
 PARENT_RUN_DIR_ENV = "PAGEWIRE_PARENT_RUN_DIR"
+
+
+def cpu_isa() -> str | None:
+    value = (os.environ.get(CPU_ISA_ENV) or "").strip().lower()
+    return value or None
 
 
 def api_key() -> str | None:

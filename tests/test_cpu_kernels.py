@@ -149,7 +149,7 @@ def test_loading_it_leaves_subnormals_alone(kernel):
 
 def test_build_is_cached_by_content(tmp_path):
     compiler = build.compiler()
-    flags = build.FLAG_SETS[-1]
+    flags = build.flag_sets()[-1]
     source, abi = attention._SOURCE, attention._ABI
     first = build.build(source, compiler, flags, tmp_path, abi)
     stamp = first.stat().st_mtime_ns

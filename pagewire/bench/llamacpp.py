@@ -4,8 +4,9 @@ model pagewire serves, and started with a command line for a given workload.
 - **The binary.** A given path is used as is. Otherwise the source distribution of
   ``llama-cpp-python`` (``LLAMA_CPP_PYTHON_VERSION``) is downloaded with pip, its vendored
   ``vendor/llama.cpp`` extracted, and only the ``llama-server`` target built with cmake: CPU only,
-  ``-march=native`` (``GGML_NATIVE``), Release, static, no OpenSSL, no web UI (so nothing is
-  fetched during the build). The binary is cached under ``<pagewire cache>/llama.cpp/`` by a key of
+  ``-march=native`` (``GGML_NATIVE``; under ``PAGEWIRE_CPU_ISA``, the instruction sets of that
+  level named one by one), Release, static, no OpenSSL, no web UI (so nothing is fetched during
+  the build). The binary is cached under ``<pagewire cache>/llama.cpp/`` by a key of
   the version, the CPU's flags and the cmake options, so it is rebuilt only when one of them changes.
 - **The weights.** pagewire's converted safetensors directory is written as GGUF (f32, f16, bf16
   or q8_0) by llama.cpp's own ``convert_hf_to_gguf.py`` from the same source, once per type: both
@@ -43,6 +44,7 @@ from pathlib import Path
 
 from pagewire_common import envs
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings, add_arguments
+from worker_svc.cpu import features
 
 # llama-cpp-python's sdist vendors a llama.cpp revision with llama-server and convert_hf_to_gguf.py
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -239,17 +241,28 @@ def cache_dir() -> Path:
 
 
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:
-    """The CPU's feature flags, sorted (x86 ``flags`` or Arm ``Features`` of /proc/cpuinfo)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            return sorted(set(value.split()))
-    return []
+    """The CPU's feature flags, sorted (x86 ``flags`` or Arm ``Features`` of ``cpuinfo``, the text
+    of /proc/cpuinfo; this machine's own when None)."""
+    cpu = features.host_cpu_info() if cpuinfo is None else features.parse_cpuinfo(cpuinfo)
+    return sorted(cpu.flags)
+
+
+# llama.cpp's options for each x86 instruction set, and the CPU flag that turns each on
+_GGML_ISA_OPTIONS = (("AVX", "avx"), ("AVX2", "avx2"), ("FMA", "fma"), ("F16C", "f16c"), ("BMI2", "bmi2"),
+                     ("AVX_VNNI", "avx_vnni"), ("AVX512", "avx512f"), ("AVX512_VBMI", "avx512vbmi"),
+                     ("AVX512_VNNI", "avx512_vnni"), ("AVX512_BF16", "avx512_bf16"), ("AMX_TILE", "amx_tile"),
+                     ("AMX_INT8", "amx_int8"), ("AMX_BF16", "amx_bf16"))
+
+
+def cmake_options(cpu: features.CpuInfo | None = None) -> tuple[str, ...]:
+    """``CMAKE_OPTIONS`` for this CPU (``features.cpu_info()``): ``-march=native``, or where
+    ``PAGEWIRE_CPU_ISA`` caps it, each instruction set named on or off as the capped CPU has it, so
+    that llama-server runs at the same level as pagewire."""
+    cpu = cpu or features.cpu_info()
+    if cpu.capped_from is None:
+        return CMAKE_OPTIONS
+    named = tuple(f"-DGGML_{option}={'ON' if flag in cpu.flags else 'OFF'}" for option, flag in _GGML_ISA_OPTIONS)
+    return tuple(o if o != "-DGGML_NATIVE=ON" else "-DGGML_NATIVE=OFF" for o in CMAKE_OPTIONS) + named
 
 
 def build_key(version: str, flags: list[str], cmake_options: tuple[str, ...] = CMAKE_OPTIONS) -> str:
@@ -258,8 +271,8 @@ def build_key(version: str, flags: list[str], cmake_options: tuple[str, ...] = C
     return f"{version}-{digest[:12]}"
 
 
-def binary_path(root: Path, version: str, flags: list[str]) -> Path:
-    return root / f"{SERVER_TARGET}-{build_key(version, flags)}" / SERVER_TARGET
+def binary_path(root: Path, version: str, flags: list[str], options: tuple[str, ...] = CMAKE_OPTIONS) -> Path:
+    return root / f"{SERVER_TARGET}-{build_key(version, flags, options)}" / SERVER_TARGET
 
 
 def gguf_path(root: Path, version: str, model_dir: Path, outtype: str) -> Path:
@@ -278,8 +291,8 @@ def download_command(version: str, dest: Path) -> list[str]:
             f"llama-cpp-python=={version}", "--dest", str(dest)]
 
 
-def configure_command(source: Path, build: Path) -> list[str]:
-    return ["cmake", "-S", str(source), "-B", str(build), *CMAKE_OPTIONS]
+def configure_command(source: Path, build: Path, options: tuple[str, ...] = CMAKE_OPTIONS) -> list[str]:
+    return ["cmake", "-S", str(source), "-B", str(build), *options]
 
 
 def build_command(build: Path, jobs: int) -> list[str]:
@@ -371,8 +384,10 @@ _BUILD_PROGRESS = re.compile(r"^\[\s*\d+%\]|^\[\d+/\d+\]|error|Error")
 
 def find_or_build_server(root: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None = None,
                          log: Log = _stderr) -> Path:
-    """The cached llama-server for this CPU, built first if there is none (minutes)."""
-    binary = binary_path(root, version, cpu_flags())
+    """The cached llama-server for this CPU (or its ``PAGEWIRE_CPU_ISA`` level), built first if
+    there is none (minutes)."""
+    options = cmake_options()
+    binary = binary_path(root, version, cpu_flags(), options)
     if binary.is_file():
         return binary
     check_build_tools()
@@ -380,8 +395,9 @@ def find_or_build_server(root: Path, version: str = LLAMA_CPP_PYTHON_VERSION, jo
     jobs = jobs or len(os.sched_getaffinity(0))
     build = root / f".build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        log(f"configuring llama.cpp (cmake, CPU only, -march=native) in {build}...")
-        _run(configure_command(source, build), "cmake configure", log, progress=re.compile(r"CMake Error|-- x86|ARM"))
+        isa = "-march=native" if options == CMAKE_OPTIONS else f"the instruction sets of {features.cpu_info().isa}"
+        log(f"configuring llama.cpp (cmake, CPU only, {isa}) in {build}...")
+        _run(configure_command(source, build, options), "cmake configure", log, progress=re.compile(r"CMake Error|-- x86|ARM"))
         log(f"building {SERVER_TARGET} with {jobs} jobs (several minutes)...")
         _run(build_command(build, jobs), f"building {SERVER_TARGET}", log, progress=_BUILD_PROGRESS)
         built = next((p for p in (build / "bin" / SERVER_TARGET, build / "bin" / "Release" / SERVER_TARGET)

@@ -6,7 +6,7 @@ The JSON document (``--json``), schema version 1::
     command_line    the exact command line (shell-quoted); argv: the same as a list
     environment     python, platform, cpu_count, cpu_cores_usable, cpu_model, cpu_isa (the best of ISA_LEVELS the
                     CPU has, e.g. avx512_bf16 or avx2; null if unknown), cpu_isa_flags (all of ISA_LEVELS it has),
-                    pagewire, torch, transformers, grpcio, cuda, gpu (name or null)
+                    cpu_isa_capped_from (the CPU's own best where PAGEWIRE_CPU_ISA capped it, else null), pagewire, torch, transformers, grpcio, cuda, gpu (name or null)
     config          the workload (num_requests, concurrency | request_rate, seed, prompt_len [lo, hi] | prompt +
                     prompt_repeats, max_new_tokens, ignore_eos, temperature, warmup_runs, repeat_runs, ...),
                     baselines, client_processes, worker, and engine: the engine options in force
@@ -193,7 +193,8 @@ def cpu_info(cpuinfo: str | None = None) -> dict:
     """This machine's CPU: ``cpu_model`` ("model name"; None where /proc/cpuinfo has none, as on
     Arm), ``cpu_isa`` (the best of ``ISA_LEVELS`` it has, or None: the same command gives very
     different figures on an avx512_bf16 host and an avx2-only one), ``cpu_isa_flags`` (every one of
-    ``ISA_LEVELS`` it has, best first), ``cpu_cores_usable`` (cores this process may run on).
+    ``ISA_LEVELS`` it has, best first), ``cpu_isa_capped_from`` (the CPU's own best ISA where
+    ``PAGEWIRE_CPU_ISA`` capped it, else None), ``cpu_cores_usable`` (cores this process may run on).
     ``cpuinfo``: the text of /proc/cpuinfo, read here when None (empty where there is none)."""
     cpu = features.cpu_info() if cpuinfo is None else features.parse_cpuinfo(cpuinfo)
     try:
@@ -204,8 +205,14 @@ def cpu_info(cpuinfo: str | None = None) -> dict:
         "cpu_model": cpu.model,
         "cpu_isa": cpu.isa,
         "cpu_isa_flags": cpu.isa_flags,
+        "cpu_isa_capped_from": cpu.capped_from,
         "cpu_cores_usable": usable,
     }
+
+
+def isa_text(cpu: dict) -> str:
+    """``cpu_info()``'s ISA as summaries print it (``features.describe_isa``)."""
+    return features.describe_isa(cpu["cpu_isa"], cpu.get("cpu_isa_capped_from"))
 
 
 def environment() -> dict:

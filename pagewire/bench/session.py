@@ -18,7 +18,7 @@ from pagewire.bench.server import (
     check_can_listen,
     serve_argv,
 )
-from pagewire.bench.report import OURS, cpu_info
+from pagewire.bench.report import OURS, cpu_info, isa_text
 from pagewire.cli_args import DEFAULT_LISTEN
 
 # warn when the busiest client process used more than this share of a core
@@ -372,7 +372,7 @@ class Bench:
             f"server: {addr}{' (started by the bench)' if args.serve else ''}: {info.model_name}, {info.dtype} on "
             f"{info.device}, {info.num_kv_blocks} KV blocks x {info.block_size}{worker}",
             f"this machine: {cpu['cpu_model'] or 'CPU model unknown'}, {cpu['cpu_cores_usable']} cores, "
-            f"ISA {cpu['cpu_isa'] or 'unknown'}",
+            f"ISA {isa_text(cpu)}",
         ]
 
     def config_dict(self) -> dict:

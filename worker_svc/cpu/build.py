@@ -1,8 +1,8 @@
 """Building the C kernels at first use and loading them with ctypes (torch-free).
 
 A kernel's source is compiled with the system C compiler (``$CC``, else ``cc`` or ``gcc``;
-``-O3 -march=native -fopenmp``, exact math apart from reassociation) into
-``$PAGEWIRE_CACHE_DIR/kernels`` (default ``~/.cache/pagewire/kernels``), named by a hash of the
+``-O3 -march=native -fopenmp``, or the ``-march`` of the ``PAGEWIRE_CPU_ISA`` level; exact math
+apart from reassociation) into ``$PAGEWIRE_CACHE_DIR/kernels`` (default ``~/.cache/pagewire/kernels``), named by a hash of the
 source, the flags, the compiler, the CPU and the ABI version, and written atomically so concurrent
 processes can race to build it. It links the ``libgomp.so.1`` that torch has already loaded, so
 its threads are torch's OpenMP threads. No compiler, or a failed build: :func:`load` returns None
@@ -30,10 +30,13 @@ log = logging.getLogger("pagewire.worker")
 # Reassociation lets the reductions vectorize. Not -ffast-math or -funsafe-math-optimizations: with
 # either, gcc links crtfastmath.o, which would turn on flush-to-zero for the whole process at load.
 _MATH = ["-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math", "-freciprocal-math"]
-FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp", *_MATH, "-std=c11", "-shared", "-fPIC"],
-    ["-O3", "-fopenmp", *_MATH, "-std=c11", "-shared", "-fPIC"],  # a compiler or VM without -march=native
-)
+_COMMON = ["-fopenmp", *_MATH, "-std=c11", "-shared", "-fPIC"]
+
+
+def flag_sets() -> list[list[str]]:
+    """The compiler flags to try, in order: tuned to this CPU (or to its ``PAGEWIRE_CPU_ISA``
+    level), then without -march for a compiler or VM that refuses it."""
+    return [["-O3", *features.march_flags(), *_COMMON], ["-O3", *_COMMON]]
 
 
 def compiler() -> str | None:
@@ -88,7 +91,7 @@ def load(source: pathlib.Path, abi_symbol: str, abi: int, fallback: str) -> ctyp
         log.warning("no C compiler found (set CC, or install cc/gcc): %s", fallback)
         return None
     errors = []
-    for flags in FLAG_SETS:
+    for flags in flag_sets():
         try:
             path = build(source, cc, flags, kernel_dir(), abi)
             lib = ctypes.CDLL(str(path))
