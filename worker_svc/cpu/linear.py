@@ -200,8 +200,18 @@ class PairLinear(nn.Module):
                 f"weight=bf16, compute={'AMX tiles' if self.lib.pairs_amx else 'bf16 dot products'}, packed=C kernel")
 
 
-def mkldnn_linear_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+@functools.cache
+def mkldnn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN packs and multiplies ``dtype`` weights here. torch refuses bf16 weights on a
+    CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2 one, or one capped at AVX2 by
+    ``PAGEWIRE_CPU_ISA``): asked once per dtype, with a small weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -307,7 +317,7 @@ def pack_linears_for_cpu(model: nn.Module) -> str | None:
     if first.dtype == torch.bfloat16 and (lib := kernel()) is not None and (how := pair_instructions(cpu, lib)):
         replace_linears(model, functools.partial(PairLinear, lib=lib))
         return f"C kernel, bf16 weights, {how} ({cpu.isa})"
-    if not mkldnn_linear_available():
+    if not mkldnn_linear_available(first.dtype):
         return None
     try:
         replace_linears(model, PackedLinear)
