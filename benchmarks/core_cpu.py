@@ -1,7 +1,7 @@
 """The scheduler core's own CPU per token, without a transport. Feeds docs/benchmarks.md,
 section "The core's own cost".
 
-    python benchmarks/core_cpu.py [--streams 256] [--max-new-tokens 64] [--num-requests 2048]
+    python benchmarks/core_cpu.py [--streams 256] [--max-new-tokens 64] [--num-requests 2048] [--prompt-len 16]
 
 Runs ``CoreService`` (the engine task, admission, the allocator, per-step messages to an API
 server) on one event loop against an in-process worker that answers every plan at once, and one
@@ -89,7 +89,8 @@ async def run(args) -> tuple[float, float, int]:
     inbox = Outbox()
     client = service.open_client(send=lambda outputs: inbox.put_nowait(outputs.to_bytes()))
     sampling = SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True)
-    prompt = list(range(1, 17))
+    # a prompt per request, none sharing a block with another (no prefix-cache hits), as in a bench
+    base = list(range(1, args.prompt_len + 1))
     first_id = first_request_id(client.api_server_id)
     finished = 0
     acked = 0
@@ -103,18 +104,22 @@ async def run(args) -> tuple[float, float, int]:
             for data in await inbox.take():
                 msg = CoreOutputs.from_bytes(data)
                 finished += len(msg.finished_ids)
+                if msg.finished_ids:
+                    room.set()
                 if msg.has_tokens:
                     acked += 1
                     apply(CoreRequests(num_outputs_done=acked))
 
+    room = asyncio.Event()  # set when a request finished: the feeder below sends more
     consumer = asyncio.ensure_future(api_server())
     t0 = time.process_time()
     sent = 0
     while sent < args.num_requests:
         while sent - finished < args.streams and sent < args.num_requests:
-            apply(CoreRequests(adds=[NewRequest(first_id + sent, prompt, sampling)]))
+            apply(CoreRequests(adds=[NewRequest(first_id + sent, [1000 + sent, *base[1:]], sampling)]))
             sent += 1
-        await asyncio.sleep(0)
+        room.clear()
+        await room.wait()
     await consumer
     total = time.process_time() - t0
     steps = service.num_steps
@@ -127,6 +132,7 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-requests", type=int, default=2048)
+    p.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt, each prompt its own")
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     tokens = args.num_requests * args.max_new_tokens
