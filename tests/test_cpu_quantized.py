@@ -35,6 +35,33 @@ def lib(quant_lib):
     return quant_lib
 
 
+def test_every_build_of_the_kernel_gives_the_same_bits(tmp_path):
+    """The AVX-512, AVX2 and portable paths sum in one order (the rows' tile sums included), so the
+    kernel built for this CPU, for x86-64-v3 and without -march returns the same bits."""
+    import ctypes
+
+    from worker_svc.cpu import build, features
+
+    compiler = build.compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    common = build.flag_sets()[-1][1:]  # the flags besides -O3 and -march
+    flag_sets = [["-O3", "-march=native", *common], ["-O3", *common]]
+    if "avx2" in features.host_cpu_info().flags:
+        flag_sets.append(["-O3", "-march=x86-64-v3", "-mtune=native", *common])
+    kernels = [Q.QuantKernel(ctypes.CDLL(str(build.build(Q._SOURCE, compiler, flags, tmp_path, Q._ABI))))
+               for flags in flag_sets]
+    assert kernels[0].simd and not kernels[1].simd  # a vector path and the portable loop
+    torch.manual_seed(0)
+    for btype, qtype in TYPES:
+        n, k = 70, 96
+        packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
+        x, bias = torch.randn(11, k), torch.randn(n)
+        outputs = [kernel.linear(x, packed, btype, n, bias) for kernel in kernels]
+        for other in outputs[1:]:
+            assert torch.equal(other, outputs[0]), btype.name
+
+
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
 @pytest.mark.parametrize("n,k", [(37, 64), (200, 96), (64, 576)])
 def test_kernel_matches_the_torch_dequantization(lib, btype, qtype, n, k):
