@@ -40,7 +40,8 @@ class IsaCap:
 # and -v4 levels (Haswell, Skylake-SP), so AVX-VNNI and AVX-512's later extensions go with them.
 ISA_CAPS = {
     "amx_bf16": IsaCap(("-march=native",), None, None),
-    "avx512_bf16": IsaCap(("-march=native", "-mno-amx-tile"), "avx512", "AVX512_CORE_BF16"),
+    "avx512_bf16": IsaCap(("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"), "avx512",
+                          "AVX512_CORE_BF16"),
     "avx512f": IsaCap(("-march=x86-64-v4", "-mtune=native"), "avx512", "AVX512_CORE"),
     "avx2": IsaCap(("-march=x86-64-v3", "-mtune=native"), "avx2", "AVX2"),
 }
@@ -102,7 +103,7 @@ class CpuInfo:
     def isa_description(self) -> str:
         return describe_isa(self.isa, self.capped_from)
 
-    def capped(self, cap: str) -> "CpuInfo":
+    def capped(self, cap: str) -> CpuInfo:
         """This CPU as one of level ``cap`` sees itself (``ISA_CAPS``); ValueError for a level that
         is not one of them or that this CPU does not have."""
         if cap not in ISA_CAPS:
