@@ -82,13 +82,15 @@ def test_the_cap_reaches_the_kernels_build_torch_and_dtype_auto(cap, monkeypatch
     assert build.flag_sets()[0][:3] == ["-O3", "-march=x86-64-v3", "-mtune=native"]
     choice = dtypes.resolve_dtype("auto", torch.device("cpu"), None)
     assert choice.dtype == torch.float32 and "avx2" in choice.reason  # as on an AVX2 CPU: no native bf16
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    # cap_torch_isa writes into an environment of its own here, not this process's (whose later
+    # children would otherwise run torch at AVX2)
+    env = {envs.CPU_ISA_ENV: "avx2"}
+    monkeypatch.setattr(os, "environ", env)
     features.cap_torch_isa()
-    assert (os.environ["ATEN_CPU_CAPABILITY"], os.environ["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "AVX2")
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX")  # a value the user set stays
+    assert (env["ATEN_CPU_CAPABILITY"], env["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "AVX2")
+    env["ONEDNN_MAX_CPU_ISA"] = "AVX"  # a value the user set stays
     features.cap_torch_isa()
-    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX"
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX"
 
 
 def test_llama_server_is_built_for_the_same_level():
