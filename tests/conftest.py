@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
+from worker_svc.cpu import features
 
-from tests.tiny_models import get_tiny_model
+# PAGEWIRE_CPU_ISA=avx2 (say) runs the suite as on a CPU of that level: torch and oneDNN in this
+# process too, told before anything imports torch (the pagewire commands tests start tell theirs)
+features.cap_torch_isa()
+
+import pytest  # noqa: E402
+
+from tests.tiny_models import get_tiny_model  # noqa: E402
 
 # The tests compare with transformers in float32 on every host; ``--dtype auto`` would pick
 # bfloat16 on a CPU with native bf16. This is the default of every command and of LLM() in this

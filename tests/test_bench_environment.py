@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 from pagewire.bench.report import cpu_info, environment
+from pagewire_common import envs
+from worker_svc.cpu import features
 from worker_svc.cpu.features import ISA_LEVELS
 
 AVX512_BF16_HOST = """\
@@ -67,4 +69,11 @@ def test_environment_carries_this_machines_cpu():
     assert env["cpu_count"] == os.cpu_count()
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith(("flags", "Features"))).split(":", 1)[1].split()
+    cap = envs.cpu_isa()  # PAGEWIRE_CPU_ISA: the suite run as on a lesser CPU reports that CPU
+    if cap is not None:
+        capped = features.CpuInfo(None, frozenset(flags)).capped(cap)
+        flags = capped.flags
+        assert env["cpu_isa_capped_from"] == capped.capped_from
+    else:
+        assert env["cpu_isa_capped_from"] is None
     assert env["cpu_isa_flags"] == [isa for isa in ISA_LEVELS if isa in flags]

@@ -198,7 +198,7 @@ def test_missing_build_tools_are_named(monkeypatch):
 
 
 def test_find_or_build_returns_a_cached_binary_without_building(monkeypatch, tmp_path):
-    binary = binary_path(tmp_path, "0.3.36", cpu_flags())
+    binary = binary_path(tmp_path, "0.3.36", cpu_flags(), llamacpp.cmake_options())
     binary.parent.mkdir(parents=True)
     binary.write_text("")
     monkeypatch.setattr(llamacpp, "check_build_tools", lambda: pytest.fail("a cached binary needs no build"))
