@@ -107,6 +107,35 @@ def test_lean_pass_takes_small_steps_only(quant_lib, tiny_model_dir, tmp_path):
         assert not lean.accepts(1, PagedKVCache(2, 4, 16, 2, 16, torch.bfloat16, "cpu"), Meta)  # cache in another dtype
 
 
+def test_lean_pass_refuses_a_slot_or_block_outside_the_cache(quant_lib, tiny_model_dir, tmp_path):
+    """The C layer loop stops at the first kernel that refuses its input, and the pass says which."""
+    from kvcache.attention_metadata import AttentionMetadata
+    from kvcache.paged import PagedKVCache
+
+    fused = cpu_fused.kernel()
+    if fused is None or not fused.simd:
+        pytest.skip("the fused C norms are not vectorized for fp32 here")
+    model_dir, _ = write_gguf_model(tiny_model_dir("llama-gqa"), tmp_path / "converted", tied=True, types=MIXED)
+    with LLM(model_dir, dtype="float32", gguf_weights="quantized") as llm:
+        model = llm.runner.model
+        lean, config = model.cpu_decode, llm.runner.model_config
+        cache = PagedKVCache(config.num_layers, 4, 4, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
+
+        def step(slot: int, block: int) -> None:
+            meta = AttentionMetadata(slot_mapping=torch.tensor([slot]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                                     seq_lens=torch.tensor([1], dtype=torch.int32),
+                                     block_tables=torch.tensor([[block]], dtype=torch.int32), max_query_len=1,
+                                     max_seq_len=1, query_lens_cpu=[1], seq_lens_cpu=[1],
+                                     logits_indices=torch.tensor([0]))
+            lean.forward(torch.tensor([3]), torch.tensor([0]), cache, meta)
+
+        step(2, 0)  # inside: runs
+        with pytest.raises(ValueError, match="CPU K/V append: a slot is outside the cache"):
+            step(16, 0)  # 4 blocks of 4 slots
+        with pytest.raises(ValueError, match="CPU paged attention: a block table entry is outside the cache"):
+            step(2, 4)
+
+
 def test_kv_write_equals_the_scatter_and_refuses_slots_outside_the_cache():
     from kvcache.paged import write_kv
     from worker_svc.cpu import attention
