@@ -7,9 +7,9 @@ append and the attention through ``kvcache.paged``'s torch scatter and dispatch.
 the same C calls in the same order with the same inputs, over buffers it keeps per step size and
 pointers it works out once per step: the tokens are bit for bit the modules' (held so by
 ``tests/test_cpu_decode.py``). The layer loop itself is C (``csrc/decode.c``, handed the kernels'
-addresses, the step's pointers and each layer's weights as a row of int64): one ctypes call a step
-where the same loop in Python made about thirteen a layer, and the residual adds, and took about
-half a millisecond a token of SmolLM2 (13–15% of a lone stream's step on Zen 5).
+addresses, the step's pointers and each layer's weights as a row of int64), one ctypes call a step:
+a loop in Python makes about thirteen a layer plus two torch adds, about half a millisecond a token
+of SmolLM2 (13–15% of a lone stream's step on Zen 5).
 
 It serves a step when the model qualifies (:meth:`QuantDecode.of`: one rank, every layer's
 linears quantized (:class:`~worker_svc.cpu.quantized.QuantLinear`) in one compute dtype, the
