@@ -85,55 +85,56 @@ def test_models_it_does_not_serve_keep_the_modules(quant_lib, tiny_model_dir, tm
         assert llm.runner.model.cpu_decode is None  # per-head q/k norms
 
 
-def test_lean_pass_takes_small_steps_only(quant_lib, tiny_model_dir, tmp_path):
-    from kvcache.paged import PagedKVCache
-
+@pytest.fixture
+def fp32_gguf_llm(quant_lib, tiny_model_dir, tmp_path):
+    """An offline engine on the tiny Llama's GGUF, served from its blocks in fp32 (the lean pass on)."""
     fused = cpu_fused.kernel()
     if fused is None or not fused.simd:
         pytest.skip("the fused C norms are not vectorized for fp32 here")
     model_dir, _ = write_gguf_model(tiny_model_dir("llama-gqa"), tmp_path / "converted", tied=True, types=MIXED)
     with LLM(model_dir, dtype="float32", gguf_weights="quantized") as llm:
-        lean = llm.runner.model.cpu_decode
-
-        class Meta:
-            max_query_len = 1
-
-        fp32 = PagedKVCache(2, 4, 16, 2, 16, torch.float32, "cpu")
-        assert lean.accepts(1, fp32, Meta) and lean.accepts(decode.MAX_TOKENS, fp32, Meta)
-        assert not lean.accepts(decode.MAX_TOKENS + 1, fp32, Meta)
-        Meta.max_query_len = decode.MAX_QUERY_LEN + 1  # a chunk kvcache.paged sends to SDPA
-        assert not lean.accepts(decode.MAX_QUERY_LEN + 1, fp32, Meta)
-        Meta.max_query_len = 1
-        assert not lean.accepts(1, PagedKVCache(2, 4, 16, 2, 16, torch.bfloat16, "cpu"), Meta)  # cache in another dtype
+        yield llm
 
 
-def test_lean_pass_refuses_a_slot_or_block_outside_the_cache(quant_lib, tiny_model_dir, tmp_path):
+def test_lean_pass_takes_small_steps_only(fp32_gguf_llm):
+    from kvcache.paged import PagedKVCache
+
+    lean = fp32_gguf_llm.runner.model.cpu_decode
+
+    class Meta:
+        max_query_len = 1
+
+    fp32 = PagedKVCache(2, 4, 16, 2, 16, torch.float32, "cpu")
+    assert lean.accepts(1, fp32, Meta) and lean.accepts(decode.MAX_TOKENS, fp32, Meta)
+    assert not lean.accepts(decode.MAX_TOKENS + 1, fp32, Meta)
+    Meta.max_query_len = decode.MAX_QUERY_LEN + 1  # a chunk kvcache.paged sends to SDPA
+    assert not lean.accepts(decode.MAX_QUERY_LEN + 1, fp32, Meta)
+    Meta.max_query_len = 1
+    assert not lean.accepts(1, PagedKVCache(2, 4, 16, 2, 16, torch.bfloat16, "cpu"), Meta)  # cache in another dtype
+
+
+def test_lean_pass_refuses_a_slot_or_block_outside_the_cache(fp32_gguf_llm):
     """The C layer loop stops at the first kernel that refuses its input, and the pass says which."""
     from kvcache.attention_metadata import AttentionMetadata
     from kvcache.paged import PagedKVCache
 
-    fused = cpu_fused.kernel()
-    if fused is None or not fused.simd:
-        pytest.skip("the fused C norms are not vectorized for fp32 here")
-    model_dir, _ = write_gguf_model(tiny_model_dir("llama-gqa"), tmp_path / "converted", tied=True, types=MIXED)
-    with LLM(model_dir, dtype="float32", gguf_weights="quantized") as llm:
-        model = llm.runner.model
-        lean, config = model.cpu_decode, llm.runner.model_config
-        cache = PagedKVCache(config.num_layers, 4, 4, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
+    lean, config = fp32_gguf_llm.runner.model.cpu_decode, fp32_gguf_llm.runner.model_config
+    cache = PagedKVCache(config.num_layers, 4, 4, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
 
-        def step(slot: int, block: int) -> None:
-            meta = AttentionMetadata(slot_mapping=torch.tensor([slot]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-                                     seq_lens=torch.tensor([1], dtype=torch.int32),
-                                     block_tables=torch.tensor([[block]], dtype=torch.int32), max_query_len=1,
-                                     max_seq_len=1, query_lens_cpu=[1], seq_lens_cpu=[1],
-                                     logits_indices=torch.tensor([0]))
-            lean.forward(torch.tensor([3]), torch.tensor([0]), cache, meta)
+    def step(slot: int, block: int) -> None:
+        meta = AttentionMetadata(slot_mapping=torch.tensor([slot]),
+                                 query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                                 seq_lens=torch.tensor([1], dtype=torch.int32),
+                                 block_tables=torch.tensor([[block]], dtype=torch.int32), max_query_len=1,
+                                 max_seq_len=1, query_lens_cpu=[1], seq_lens_cpu=[1],
+                                 logits_indices=torch.tensor([0]))
+        lean.forward(torch.tensor([3]), torch.tensor([0]), cache, meta)
 
-        step(2, 0)  # inside: runs
-        with pytest.raises(ValueError, match="CPU K/V append: a slot is outside the cache"):
-            step(16, 0)  # 4 blocks of 4 slots
-        with pytest.raises(ValueError, match="CPU paged attention: a block table entry is outside the cache"):
-            step(2, 4)
+    step(2, 0)  # inside: runs
+    with pytest.raises(ValueError, match="CPU K/V append: a slot is outside the cache"):
+        step(16, 0)  # 4 blocks of 4 slots
+    with pytest.raises(ValueError, match="CPU paged attention: a block table entry is outside the cache"):
+        step(2, 4)
 
 
 def test_kv_write_equals_the_scatter_and_refuses_slots_outside_the_cache():
