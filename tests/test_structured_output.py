@@ -272,7 +272,8 @@ def test_a_model_without_tokenizer_refuses_structured_output(random_model_dir, t
     with pytest.raises(ValueError, match="tokenizer.json"):
         llm.generate([[5, 6, 7]], SamplingParams(regex="[a-z]+"))
     assert llm.engine.num_requests == 0
-    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+    # plain requests still run (ignore_eos: a random model may sample its EOS at any step)
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_serves_without_structured_output(random_model_dir, tmp_path, caplog):

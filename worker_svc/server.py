@@ -216,7 +216,7 @@ def serve(settings, listen: str | None) -> int:
         check_address_free(listen)  # before torch and the model load: a taken address is one line, at once
     from kvcache.paged import keep_triton_out
     from worker_svc.dtypes import dtype_name
-    from worker_svc.parallel.ranks import run_rank, start_runner
+    from worker_svc.parallel.ranks import leave, run_rank, start_runner
     from worker_svc.runner import RunnerConfig, resolve_device
     from worker_svc.weights import model_name, resolve_model_path
 
@@ -250,10 +250,13 @@ def serve(settings, listen: str | None) -> int:
     summary = (f"{name} ({what}), {runner.num_kv_blocks} KV blocks x {runner.block_size} tokens, "
                f"max model length {runner.max_model_len}, loaded in {time.monotonic() - t0:.1f} s")
     try:
-        return eventloop.run(_serve_until_signal(runner, listen, name, eos, summary))
+        code = eventloop.run(_serve_until_signal(runner, listen, name, eos, summary))
     finally:
         if hasattr(runner, "close"):
             runner.close()
+    if num_ranks > 1:
+        leave(code)  # as the other ranks do: interpreter exit after gloo can abort the process
+    return code
 
 
 async def _serve_until_signal(runner, listen: str, model_name: str, eos, summary: str) -> int:

@@ -260,9 +260,14 @@ def run_rank(model_dir: str | Path, settings: Settings) -> int:
     runner = ModelRunner(model_dir, config, tp)
     log.info("tensor-parallel rank %d of %d ready", rank, n)
     code = follow(runner, channel)
-    # leave the groups now: torch's objects torn down at interpreter exit can find gloo's threads
-    # still joinable and abort the process ("terminate called without an active exception")
     dist.destroy_process_group()
+    leave(code)
+
+
+def leave(code: int):
+    """End a process that joined a tensor-parallel group (and left it) now, with ``code``: torch's
+    objects torn down at interpreter exit can find gloo's threads still joinable and abort the
+    process ("terminate called without an active exception", SIGABRT instead of ``code``)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
