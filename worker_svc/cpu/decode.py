@@ -37,7 +37,7 @@ from worker_svc.cpu.fused import FusedKernels
 from worker_svc.cpu.quantized import QuantEmbedding, QuantLinear
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "decode.c"
-_ABI = 1
+_ABI = 2
 
 # steps of up to this many tokens take the lean pass; larger ones amortize the modules' overhead
 MAX_TOKENS = 32
@@ -95,13 +95,10 @@ class _Driver:
         self.decode_layers = lib.decode_layers
         self.decode_layers.restype = ctypes.c_int
         self.decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        for name in ("decode_layer_words", "decode_max_parts"):
+        for name in ("decode_layer_words", "decode_max_parts", "decode_kv_slot_error"):
             getattr(lib, name).restype = ctypes.c_int64
         self.layer_words, self.max_parts = int(lib.decode_layer_words()), int(lib.decode_max_parts())
-
-
-# decode_layers' code when a K/V slot is outside the cache (csrc/decode.c's KV_SLOT_ERROR)
-_KV_SLOT_ERROR = -100
+        self.kv_slot_error = int(lib.decode_kv_slot_error())  # decode_layers' code for a slot outside the cache
 
 
 @functools.cache
@@ -162,7 +159,7 @@ class QuantDecode:
                          _address(fused._rms_norm[dtype]), _address(fused._silu_mul[dtype]),
                          _address(fused._rotary[dtype]), _address(attention.function(dtype, dtype)),
                          _address(attention.kv_write))
-        self._decode_layers = driver.decode_layers
+        self._decode_layers, self._kv_slot_error = driver.decode_layers, driver.kv_slot_error
         self._words = words  # kept: the driver reads it in place
         attn = first.self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -253,7 +250,7 @@ class QuantDecode:
                      kv[0].numel() * self.element)
         rc = self._decode_layers(ctypes.byref(self._fns), ctypes.byref(step), self._words.ctypes.data,
                                  self._words.shape[0])
-        if rc == _KV_SLOT_ERROR:
+        if rc == self._kv_slot_error:
             raise ValueError("CPU K/V append: a slot is outside the cache")
         if rc:
             raise ValueError(f"CPU paged attention: {cpu_attention._ERRORS.get(rc, f'error {rc}')}")

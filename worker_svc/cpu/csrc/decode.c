@@ -1,6 +1,5 @@
-/* The decoder layers of worker_svc/cpu/decode.py's lean pass, in C: for each layer the same kernel
- * calls, in the same order, on the same buffers as the Python loop made through ctypes (one ctypes
- * call a step instead of about thirteen a layer).
+/* The decoder layers of worker_svc/cpu/decode.py's lean pass, in C: for each layer the kernel calls
+ * of the modules' forward, in their order, on the pass's buffers; one ctypes call a step.
  *
  * The kernels stay in their own libraries (quant.c, fused.c, attention.c); the caller passes their
  * addresses in `struct decode_fns`, the step's pointers and sizes in `struct decode_step`, and the
@@ -132,9 +131,10 @@ int decode_layers(const struct decode_fns *f, const struct decode_step *s, const
     return 0;
 }
 
-/* The sizes worker_svc/cpu/decode.py lays its words out by. */
+/* The sizes worker_svc/cpu/decode.py lays its words out by, and the code it tells apart. */
 int64_t decode_layer_words(void) { return LAYER_WORDS; }
 int64_t decode_max_parts(void) { return MAX_PARTS; }
+int64_t decode_kv_slot_error(void) { return KV_SLOT_ERROR; }
 
 /* The ABI version worker_svc/cpu/decode.py expects; bump it when a signature or struct changes. */
-int pagewire_cpu_decode_abi(void) { return 1; }
+int pagewire_cpu_decode_abi(void) { return 2; }
