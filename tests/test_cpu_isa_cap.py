@@ -113,6 +113,20 @@ def test_a_command_refuses_a_level_it_cannot_take():
     assert "pagewire: error: PAGEWIRE_CPU_ISA=avx9: expected one of amx_bf16, avx512_bf16, avx512f, avx2" in out.stderr
 
 
+def test_onednn_is_asked_per_dtype_whether_it_packs_weights():
+    """Capped at AVX2, torch's oneDNN packs fp32 weights and refuses bf16 ones: the probe says so,
+    so a bf16 model there does not try (and warn)."""
+    if "avx2" not in features.host_cpu_info().flags:
+        pytest.skip("this CPU has no AVX2 to cap at")
+    code = ("import torch; from worker_svc.cpu.linear import mkldnn_linear_available as m; "
+            "print(m(torch.float32), m(torch.bfloat16))")
+    cap = features.ISA_CAPS["avx2"]
+    env = {**os.environ, envs.CPU_ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": cap.aten, "ONEDNN_MAX_CPU_ISA": cap.onednn}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.split() == ["True", "False"]
+
+
 def _lower_levels() -> list[str]:
     host = features.host_cpu_info()
     return [level for level in ("avx512f", "avx2") if level in host.flags and level != host.isa]

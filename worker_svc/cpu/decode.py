@@ -8,8 +8,8 @@ the same C calls in the same order with the same inputs, over buffers it keeps p
 pointers it works out once per step: the tokens are bit for bit the modules' (held so by
 ``tests/test_cpu_decode.py``). The layer loop itself is C (``csrc/decode.c``, handed the kernels'
 addresses, the step's pointers and each layer's weights as a row of int64), one ctypes call a step:
-a loop in Python makes about thirteen a layer plus two torch adds, about half a millisecond a token
-of SmolLM2 (13–15% of a lone stream's step on Zen 5).
+a loop in Python makes about thirteen a layer plus two torch adds, up to half a millisecond a token
+of SmolLM2 (docs/benchmarks.md, section 7).
 
 It serves a step when the model qualifies (:meth:`QuantDecode.of`: one rank, every layer's
 linears quantized (:class:`~worker_svc.cpu.quantized.QuantLinear`) in one compute dtype, the
