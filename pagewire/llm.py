@@ -176,13 +176,13 @@ class LLM:
             for _ in range(1, sp.n):  # the samples take the next ids
                 next(self._request_ids)
             requests.append((request_id, f"offline-{request_id}", ids, sp))
-        collected: dict[int, list[TextDelta]] = {}
+        collected: dict[int, _Merged] = {}
         for request_id, name, ids, sp in requests:
             engine.add_request(request_id, ids, sp, validated=True)
             client.request_ids.update(range(request_id, request_id + sp.n))
             processor.add(request_id, name, ids, sp)
             for index in range(sp.n):
-                collected[request_id + index] = []
+                collected[request_id + index] = _Merged()
         link = InProcessLink(self.runner)
         depth = 2 if self.settings.overlap else 1
         try:
@@ -201,7 +201,7 @@ class LLM:
                             engine.finish(request_id)
                             client.request_ids.discard(request_id)
                         for request_id, delta in ready:
-                            collected[request_id].append(delta)
+                            collected[request_id].add(delta)
                 steps.clear()
                 step_profile.end_step(num_tokens)
         except BaseException:
@@ -210,7 +210,7 @@ class LLM:
             raise
         outputs = []
         for request_id, name, ids, sp in requests:
-            samples = [self._merge(name, ids, collected[request_id + i]) for i in range(sp.n)]
+            samples = [collected[request_id + i].output(name, ids) for i in range(sp.n)]
             if sp.n > 1:
                 samples[0].samples = samples
             outputs.append(samples[0])
@@ -230,25 +230,51 @@ class LLM:
 
     @staticmethod
     def _merge(request_id: str, prompt_ids: list[int], deltas: list[TextDelta]) -> GenerationOutput:
-        last = deltas[-1]
-        logprobs = None
-        if last.logprobs is not None:
-            logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
-        top = None
-        if last.top_logprobs is not None:
-            top = [t for d in deltas for t in (d.top_logprobs or [])]
-        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+        merged = _Merged()
+        for delta in deltas:
+            merged.add(delta)
+        return merged.output(request_id, prompt_ids)
+
+
+class _Merged:
+    """One sample's deltas merged as they arrive. The engine hands over a delta per token; kept
+    until the end, a batch of long generations would hold objects per token that every garbage
+    collection walks again (a young collection then costs as much as a step)."""
+
+    __slots__ = ("token_ids", "texts", "logprobs", "top_logprobs", "prompt_logprobs", "last")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[tuple[list[int], list[float]]] = []
+        self.prompt_logprobs = None
+        self.last: TextDelta | None = None
+
+    def add(self, delta: TextDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.texts.append(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.top_logprobs:
+            self.top_logprobs.extend(delta.top_logprobs)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.last = delta
+
+    def output(self, request_id: str, prompt_ids: list[int]) -> GenerationOutput:
+        last, prompt = self.last, self.prompt_logprobs
         return GenerationOutput(
             prompt_logprobs=prompt.logprobs.tolist() if prompt is not None else None,
             prompt_top_logprobs=prompt.top_lists() if prompt is not None and prompt.num_top else None,
             request_id=request_id,
             prompt_token_ids=prompt_ids,
-            token_ids=[t for d in deltas for t in d.token_ids],
-            text="".join(d.text for d in deltas),
+            token_ids=self.token_ids,
+            text="".join(self.texts),
             finish_reason=last.finish_reason.value,
-            logprobs=logprobs,
+            logprobs=self.logprobs if last.logprobs is not None else None,
             usage=last.usage,
-            top_logprobs=top,
+            top_logprobs=self.top_logprobs if last.top_logprobs is not None else None,
             index=last.index,
         )
 
