@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +99,41 @@ def start_scheduler(worker_addr: str, tmp_path: Path, extra=()) -> tuple[Proc, s
 
 def stub(addr: str) -> generation_pb2_grpc.GenerationStub:
     return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(addr))
+
+
+def generate_on_new_connection(addr: str, request: pb.GenerateRequest, timeout: float = 10.0) -> list[int] | None:
+    """The token ids of one Generate on a TCP connection of its own (so the kernel may hand it to
+    any API server), or None when no connection is ready within ``timeout`` or the call outlives
+    its deadline; an error status raises ``grpc.RpcError``. For polling a server that restarts:
+    a call made on a channel whose connection came up while the API servers' listeners were
+    being replaced was seen to hang past its 10 s deadline for minutes, its request never sent
+    and neither side acting (grpcio 1.85), so the call waits for a ready connection and is
+    bounded from this side too."""
+    channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        return None
+    call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout)
+    outcome: dict = {}
+
+    def read() -> None:
+        try:
+            outcome["tokens"] = [t for r in call for t in r.token_ids]
+        except grpc.RpcError as e:
+            outcome["error"] = e
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout + 5)
+    if reader.is_alive():  # past its deadline: given up (the thread is left to grpc)
+        call.cancel()
+        return None
+    channel.close()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["tokens"]
 
 
 def health_status(addr: str, service: str = "") -> int:

@@ -18,7 +18,8 @@ import pytest
 from pagewire import LLM, SamplingParams
 from pagewire.v1 import generation_pb2 as pb
 from pagewire.v1 import generation_pb2_grpc
-from tests.service_utils import REPO, Proc, descendants, free_port, listening_sockets, sampling, wait_until
+from tests.service_utils import (REPO, Proc, descendants, free_port, generate_on_new_connection, listening_sockets, sampling,
+                                 wait_until)
 from tests.tiny_models import sample_prompts
 
 pytestmark = pytest.mark.slow
@@ -182,9 +183,8 @@ def test_killing_the_worker_gives_unavailable_then_serve_serves_again(served, of
 
     def serves_again():
         try:
-            return [t for r in own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
-                                                                           sampling=sampling(max_tokens=8)), timeout=10)
-                    for t in r.token_ids]
+            return generate_on_new_connection(addr, pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                                                       sampling=sampling(max_tokens=8)))
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.UNAVAILABLE
             return None
@@ -239,9 +239,8 @@ def test_killing_the_core_restarts_it_with_new_api_servers(model_dir, offline, t
 
         def serves_again():
             try:
-                return [t for r in own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
-                                                                               sampling=sampling(max_tokens=6)), timeout=10)
-                        for t in r.token_ids]
+                return generate_on_new_connection(addr, pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                                                           sampling=sampling(max_tokens=6)))
             except grpc.RpcError:
                 return None
 
