@@ -63,7 +63,12 @@ def read_rest(calls, firsts) -> tuple[dict[int, object], list[threading.Thread]]
 
 def all_blocks_free(addr: str):
     def done():
-        s = own_stub(addr).GetStats(pb.StatsRequest(), timeout=5)
+        # an API server may be restarting: a ready connection first, and a bounded wait on the
+        # call (see generate_on_new_connection)
+        channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+        grpc.channel_ready_future(channel).result(timeout=5)
+        s = generation_pb2_grpc.GenerationStub(channel).GetStats.future(pb.StatsRequest(), timeout=5).result(timeout=10)
+        channel.close()
         return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks and s
 
     return wait_until(done, timeout=15)
