@@ -238,8 +238,8 @@ class LLM:
 
 class _Merged:
     """One sample's deltas merged as they arrive. The engine hands over a delta per token; kept
-    until the end, a batch of long generations would hold objects per token that every garbage
-    collection walks again (a young collection then costs as much as a step)."""
+    until the end, they are objects per token that every garbage collection walks again (on a
+    small model a collection then costs more than a step)."""
 
     __slots__ = ("token_ids", "texts", "logprobs", "top_logprobs", "prompt_logprobs", "last")
 
