@@ -101,6 +101,23 @@ def stub(addr: str) -> generation_pb2_grpc.GenerationStub:
     return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(addr))
 
 
+def own_channel(addr: str) -> grpc.Channel:
+    """A channel on a TCP connection of its own (grpc shares one connection per target by
+    default), so the kernel can hand it to any of the API servers sharing the port."""
+    return grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def ready_channel(addr: str, timeout: float) -> grpc.Channel | None:
+    """``own_channel(addr)`` once its connection is ready, or None (closed) after ``timeout``."""
+    channel = own_channel(addr)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        return None
+    return channel
+
+
 def generate_on_new_connection(addr: str, request: pb.GenerateRequest, timeout: float = 10.0) -> list[int] | None:
     """The token ids of one Generate on a TCP connection of its own (so the kernel may hand it to
     any API server), or None when no connection is ready within ``timeout`` or the call outlives
@@ -109,11 +126,8 @@ def generate_on_new_connection(addr: str, request: pb.GenerateRequest, timeout: 
     being replaced was seen to hang past its 10 s deadline for minutes, its request never sent
     and neither side acting (grpcio 1.85), so the call waits for a ready connection and is
     bounded from this side too."""
-    channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-    except grpc.FutureTimeoutError:
-        channel.close()
+    channel = ready_channel(addr, timeout)
+    if channel is None:
         return None
     call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout)
     outcome: dict = {}

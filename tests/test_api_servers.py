@@ -18,8 +18,8 @@ import pytest
 from pagewire import LLM, SamplingParams
 from pagewire.v1 import generation_pb2 as pb
 from pagewire.v1 import generation_pb2_grpc
-from tests.service_utils import (REPO, Proc, descendants, free_port, generate_on_new_connection, listening_sockets, sampling,
-                                 wait_until)
+from tests.service_utils import (REPO, Proc, descendants, free_port, generate_on_new_connection, listening_sockets,
+                                 own_channel, ready_channel, sampling, wait_until)
 from tests.tiny_models import sample_prompts
 
 pytestmark = pytest.mark.slow
@@ -29,10 +29,7 @@ LISTENERS = 3  # gRPC listeners per API server in the module's served fixture
 
 
 def own_stub(addr: str) -> generation_pb2_grpc.GenerationStub:
-    """A stub on its own TCP connection (grpc shares one connection per target by default), so
-    the kernel can hand it to either API server."""
-    channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
-    return generation_pb2_grpc.GenerationStub(channel)
+    return generation_pb2_grpc.GenerationStub(own_channel(addr))
 
 
 def api_server_pids(serve: Proc) -> list[int]:
@@ -65,8 +62,9 @@ def all_blocks_free(addr: str):
     def done():
         # an API server may be restarting: a ready connection first, and a bounded wait on the
         # call (see generate_on_new_connection)
-        channel = grpc.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)])
-        grpc.channel_ready_future(channel).result(timeout=5)
+        channel = ready_channel(addr, 5)
+        if channel is None:
+            return None
         s = generation_pb2_grpc.GenerationStub(channel).GetStats.future(pb.StatsRequest(), timeout=5).result(timeout=10)
         channel.close()
         return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks and s
