@@ -37,7 +37,9 @@ def lib(quant_lib):
 
 def test_every_build_of_the_kernel_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and portable paths sum in one order (the rows' tile sums included), so the
-    kernel built for this CPU, for x86-64-v3 and without -march returns the same bits."""
+    kernel built for this CPU, for x86-64-v3 and without -march returns the same bits, at row counts
+    that take each block shape of the buffered path (AVX2: 3-row blocks of a whole group for 8 rows,
+    5- and 6-row blocks in two passes for 11 and 33)."""
     import ctypes
 
     from worker_svc.cpu import build, features
@@ -56,10 +58,11 @@ def test_every_build_of_the_kernel_gives_the_same_bits(tmp_path):
     for btype, qtype in TYPES:
         n, k = 70, 96
         packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
-        x, bias = torch.randn(11, k), torch.randn(n)
-        outputs = [kernel.linear(x, packed, btype, n, bias) for kernel in kernels]
-        for other in outputs[1:]:
-            assert torch.equal(other, outputs[0]), btype.name
+        for m in (3, 8, 11, 33):
+            x, bias = torch.randn(m, k), torch.randn(n)
+            outputs = [kernel.linear(x, packed, btype, n, bias) for kernel in kernels]
+            for other in outputs[1:]:
+                assert torch.equal(other, outputs[0]), (btype.name, m)
 
 
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))

@@ -21,7 +21,8 @@
  *
  * Rows: up to DIRECT_ROWS rows (decode, one stream) dequantize each tile in registers as they
  * multiply it; more rows dequantize a group's whole k range once into a per-thread fp32 buffer and
- * multiply blocks of rows by it (the same weights, the same order of sums). Rows go in chunks of
+ * multiply blocks of rows by it (the same weights, the same order of sums), each block's weight
+ * vectors held in registers (buffer_rows). Rows go in chunks of
  * ~256 KiB of x, so a chunk stays in L2 while the groups pass over it. OpenMP threads split the
  * groups statically.
  *
@@ -112,7 +113,7 @@ typedef __m256i vi;
 
 #if SIMD
 #define NV (GROUP / VL) /* vectors per group row */
-#define MRB (12 / NV)   /* rows per block from the buffer: 12 accumulators */
+#define MRB 6           /* the most rows of a block from the buffer (buffer_rows) */
 
 /* Store acc rows (+ bias) into y's columns [col, col + cols). */
 static inline void store_rows(const float *acc, int mr, float *y, int64_t y_stride, const float *bias, int64_t col,
@@ -238,48 +239,77 @@ static void dequantize_group(int type, const uint8_t *tiles, int64_t nb, float *
     }
 }
 
-/* mr rows of x times a dequantized group buf [k][32]. */
+/* mr rows of x times a dequantized group buf [k][32], its columns in NV / bnv passes of bnv vectors:
+ * the block's mr x bnv accumulators (at most 12) and one k's bnv weight vectors fit the vector
+ * registers together, so each weight vector is loaded once per k and pass whatever the compiler's
+ * tuning (with all 4 AVX2 vectors and 3 rows there are 17 values for 16 registers, and gcc's znver
+ * tuning then re-reads every weight vector for every row: 15-20% slower at 24-64 rows). */
 static inline __attribute__((always_inline)) void buffer_rows(const float *x, int64_t x_stride, const float *buf,
-                                                              int64_t k, const int mr, float *y, int64_t y_stride,
-                                                              const float *bias, int64_t col, int64_t cols) {
-    vf acc[MRB][NV];
-#pragma GCC unroll 16
-    for (int r = 0; r < MRB; r++)
-#pragma GCC unroll 16
-        for (int v = 0; v < NV; v++) acc[r][v] = VF_ZERO();
-    for (int64_t kk = 0; kk < k; kk++) {
-        vf w[NV];
-#pragma GCC unroll 16
-        for (int v = 0; v < NV; v++) w[v] = VF_LOAD(buf + kk * GROUP + v * VL);
+                                                              int64_t k, const int mr, const int bnv, float *y,
+                                                              int64_t y_stride, const float *bias, int64_t col,
+                                                              int64_t cols) {
+    float out[MRB * GROUP] __attribute__((aligned(64)));
+    for (int p = 0; p < NV / bnv; p++) {
+        vf acc[MRB][NV];
 #pragma GCC unroll 16
         for (int r = 0; r < MRB; r++)
-            if (r < mr) {
-                const vf xb = VF_SET1(x[r * x_stride + kk]);
 #pragma GCC unroll 16
-                for (int v = 0; v < NV; v++) acc[r][v] = VF_FMA(xb, w[v], acc[r][v]);
-            }
+            for (int v = 0; v < NV; v++)
+                if (r < mr && v < bnv) acc[r][v] = VF_ZERO();
+        const float *wp = buf + p * bnv * VL;
+        for (int64_t kk = 0; kk < k; kk++) {
+            vf w[NV];
+#pragma GCC unroll 16
+            for (int v = 0; v < NV; v++)
+                if (v < bnv) w[v] = VF_LOAD(wp + kk * GROUP + v * VL);
+#pragma GCC unroll 16
+            for (int r = 0; r < MRB; r++)
+                if (r < mr) {
+                    const vf xb = VF_SET1(x[r * x_stride + kk]);
+#pragma GCC unroll 16
+                    for (int v = 0; v < NV; v++)
+                        if (v < bnv) acc[r][v] = VF_FMA(xb, w[v], acc[r][v]);
+                }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < MRB; r++)
+#pragma GCC unroll 16
+            for (int v = 0; v < NV; v++)
+                if (r < mr && v < bnv) VF_STORE(out + r * GROUP + p * bnv * VL + v * VL, acc[r][v]);
     }
-    float out[MRB * GROUP] __attribute__((aligned(64)));
-#pragma GCC unroll 16
-    for (int r = 0; r < MRB; r++)
-#pragma GCC unroll 16
-        for (int v = 0; v < NV; v++)
-            if (r < mr) VF_STORE(out + r * GROUP + v * VL, acc[r][v]);
     store_rows(out, mr, y, y_stride, bias, col, cols);
 }
+
+/* Blocks of 5 or 6 rows go in passes of 2 vectors (on AVX-512 a whole group). On AVX2 fewer rows go
+ * in one pass of all 4 vectors, at most WIDE_ROWS to a block: 12 accumulators hide the FMA latency
+ * that 4 rows x 2 vectors would not. */
+#define PASS_ROWS 6
+#define WIDE_ROWS (12 / NV)
 
 static void buffer_block(const float *x, int64_t xs, const float *buf, int64_t k, int mr, float *y, int64_t ys,
                          const float *bias, int64_t col, int64_t cols) {
     switch (mr) {
-    case 1: buffer_rows(x, xs, buf, k, 1, y, ys, bias, col, cols); break;
-    case 2: buffer_rows(x, xs, buf, k, 2, y, ys, bias, col, cols); break;
-    case 3: buffer_rows(x, xs, buf, k, 3, y, ys, bias, col, cols); break;
-#if MRB > 3
-    case 4: buffer_rows(x, xs, buf, k, 4, y, ys, bias, col, cols); break;
-    case 5: buffer_rows(x, xs, buf, k, 5, y, ys, bias, col, cols); break;
+#if NV > 2
+    case 1: buffer_rows(x, xs, buf, k, 1, NV, y, ys, bias, col, cols); break;
+    case 2: buffer_rows(x, xs, buf, k, 2, NV, y, ys, bias, col, cols); break;
+    case 3: buffer_rows(x, xs, buf, k, 3, NV, y, ys, bias, col, cols); break;
+#else
+    case 1: buffer_rows(x, xs, buf, k, 1, 2, y, ys, bias, col, cols); break;
+    case 2: buffer_rows(x, xs, buf, k, 2, 2, y, ys, bias, col, cols); break;
+    case 3: buffer_rows(x, xs, buf, k, 3, 2, y, ys, bias, col, cols); break;
+    case 4: buffer_rows(x, xs, buf, k, 4, 2, y, ys, bias, col, cols); break;
 #endif
-    default: buffer_rows(x, xs, buf, k, MRB, y, ys, bias, col, cols); break;
+    case 5: buffer_rows(x, xs, buf, k, 5, 2, y, ys, bias, col, cols); break;
+    default: buffer_rows(x, xs, buf, k, 6, 2, y, ys, bias, col, cols); break;
     }
+}
+
+/* How many blocks `rows` rows go in: blocks of 5 or 6 where that many fill them, else of up to
+ * WIDE_ROWS. */
+static inline int64_t row_blocks(int64_t rows) {
+    const int64_t six = (rows + PASS_ROWS - 1) / PASS_ROWS;
+    if (WIDE_ROWS >= PASS_ROWS || rows / six >= 5) return six;
+    return (rows + WIDE_ROWS - 1) / WIDE_ROWS;
 }
 
 static __thread float *thread_buf;
@@ -640,7 +670,7 @@ void quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *pac
         float *buf = group_buffer(k * GROUP);
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            const int64_t num_blocks = (m1 - m0 + MRB - 1) / MRB;
+            const int64_t num_blocks = row_blocks(m1 - m0);
             #pragma omp for schedule(static) nowait
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
