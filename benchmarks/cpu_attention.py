@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import random
 
-import torch
+from worker_svc.cpu import features  # torch-free
+
+features.cap_torch_isa()  # PAGEWIRE_CPU_ISA reaches torch and oneDNN only if set before torch is imported
+import torch  # noqa: E402
 
 from kvcache.paged import AttentionMetadata, paged_attention_ref
 from pagewire.bench.timing import best_us

@@ -31,7 +31,10 @@ import platform
 import sys
 import time
 
-import torch
+from worker_svc.cpu import features  # torch-free
+
+features.cap_torch_isa()  # PAGEWIRE_CPU_ISA reaches torch and oneDNN only if set before torch is imported
+import torch  # noqa: E402
 
 from pagewire.bench.timing import best_us
 from worker_svc.cpu import quantized as Q

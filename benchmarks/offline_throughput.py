@@ -15,7 +15,10 @@ import argparse
 import json
 import time
 
-import torch
+from worker_svc.cpu import features  # torch-free
+
+features.cap_torch_isa()  # PAGEWIRE_CPU_ISA reaches torch and oneDNN only if set before torch is imported
+import torch  # noqa: E402
 
 PROMPT_TEXTS = [
     "The capital of France is",

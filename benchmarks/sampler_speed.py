@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
+from worker_svc.cpu import features  # torch-free
+
+features.cap_torch_isa()  # PAGEWIRE_CPU_ISA reaches torch and oneDNN only if set before torch is imported
+import torch  # noqa: E402
 
 from pagewire_common.sampling import SamplingParams
 from worker_svc.sampler import Sampler, SamplingBatch

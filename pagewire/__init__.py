@@ -12,6 +12,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name in ("LLM", "GenerationOutput"):
+        from worker_svc.cpu import features
+
+        features.cap_torch_isa()  # PAGEWIRE_CPU_ISA: torch and oneDNN too, where torch is not imported yet
         from pagewire import llm
 
         return getattr(llm, name)

@@ -93,6 +93,20 @@ def test_the_cap_reaches_the_kernels_build_torch_and_dtype_auto(cap, monkeypatch
     assert env["ONEDNN_MAX_CPU_ISA"] == "AVX"
 
 
+def test_the_offline_llm_runs_torch_at_the_capped_level():
+    """``from pagewire import LLM`` under ``PAGEWIRE_CPU_ISA`` caps torch's and oneDNN's kernels too,
+    as every pagewire command does, where torch is not imported yet: offline figures taken under
+    the cap are that level's throughout, not only the C kernels'."""
+    if "avx2" not in features.host_cpu_info().flags:
+        pytest.skip("this CPU has no AVX2 to cap at")
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    env[envs.CPU_ISA_ENV] = "avx2"
+    code = "from pagewire import LLM; import torch; print(torch.backends.cpu.get_cpu_capability())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.split()[-1] == "AVX2"
+
+
 def test_llama_server_is_built_for_the_same_level():
     assert llamacpp.cmake_options(SPR) == llamacpp.CMAKE_OPTIONS  # not capped: -march=native
     options = llamacpp.cmake_options(SPR.capped("avx2"))
