@@ -20,9 +20,10 @@
  * (two for 4 bits: the low then the high nibbles) in 2 vectors of 16 (AVX-512) or 4 of 8 (AVX2).
  *
  * Rows: up to DIRECT_ROWS rows (decode, one stream) dequantize each tile in registers as they
- * multiply it; more rows dequantize a group's whole k range once into a per-thread fp32 buffer and
- * multiply blocks of rows by it (the same weights, the same order of sums), each block's weight
- * vectors held in registers (buffer_rows). Rows go in chunks of
+ * multiply it; more rows dequantize a group SLICE_K values of k at a time into a per-thread fp32
+ * buffer (8 KiB, in L1) and multiply blocks of rows by each slice, each block's weight vectors held
+ * in registers (buffer_rows) and its rows' partial sums carried from slice to slice in memory (the
+ * same weights, the same order of sums). Rows go in chunks of
  * ~256 KiB of x, so a chunk stays in L2 while the groups pass over it. OpenMP threads split the
  * groups statically.
  *
@@ -40,6 +41,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* ggml's type ids */
 #define GROUP 32                       /* output columns of a group */
 #define QK 32                          /* weights of a block */
 #define CHUNK_BYTES (256 << 10)        /* of x per row chunk */
+#define SLICE_K 64                     /* k per dequantized slice of a group: 8 KiB of fp32, in L1 */
 
 static inline int64_t tile_bytes(int type) { return type == Q4_0 ? 576 : type == Q4_1 ? 640 : 1088; }
 static inline int64_t quants_offset(int type) { return type == Q4_1 ? 128 : 64; }
@@ -239,7 +241,9 @@ static void dequantize_group(int type, const uint8_t *tiles, int64_t nb, float *
     }
 }
 
-/* mr rows of x times a dequantized group buf [k][32], its columns in NV / bnv passes of bnv vectors:
+/* mr rows of x times a dequantized slice of a group buf [k][32] (k here the slice's), its columns in
+ * NV / bnv passes of bnv vectors, the sums starting from zero (first) or from partial [mr][32], and
+ * left there for the next slice or, after the last, stored into y. The passes:
  * the block's mr x bnv accumulators (at most 12) and one k's bnv weight vectors fit the vector
  * registers together, so each weight vector is loaded once per k and pass whatever the compiler's
  * tuning (with all 4 AVX2 vectors and 3 rows there are 17 values for 16 registers, and gcc's znver
@@ -247,15 +251,16 @@ static void dequantize_group(int type, const uint8_t *tiles, int64_t nb, float *
 static inline __attribute__((always_inline)) void buffer_rows(const float *x, int64_t x_stride, const float *buf,
                                                               int64_t k, const int mr, const int bnv, float *y,
                                                               int64_t y_stride, const float *bias, int64_t col,
-                                                              int64_t cols) {
+                                                              int64_t cols, float *partial, int first, int last) {
     float out[MRB * GROUP] __attribute__((aligned(64)));
+    float *sums = last ? out : partial;
     for (int p = 0; p < NV / bnv; p++) {
         vf acc[MRB][NV];
 #pragma GCC unroll 16
         for (int r = 0; r < MRB; r++)
 #pragma GCC unroll 16
             for (int v = 0; v < NV; v++)
-                if (r < mr && v < bnv) acc[r][v] = VF_ZERO();
+                if (r < mr && v < bnv) acc[r][v] = first ? VF_ZERO() : VF_LOAD(partial + r * GROUP + p * bnv * VL + v * VL);
         const float *wp = buf + p * bnv * VL;
         for (int64_t kk = 0; kk < k; kk++) {
             vf w[NV];
@@ -275,9 +280,9 @@ static inline __attribute__((always_inline)) void buffer_rows(const float *x, in
         for (int r = 0; r < MRB; r++)
 #pragma GCC unroll 16
             for (int v = 0; v < NV; v++)
-                if (r < mr && v < bnv) VF_STORE(out + r * GROUP + p * bnv * VL + v * VL, acc[r][v]);
+                if (r < mr && v < bnv) VF_STORE(sums + r * GROUP + p * bnv * VL + v * VL, acc[r][v]);
     }
-    store_rows(out, mr, y, y_stride, bias, col, cols);
+    if (last) store_rows(out, mr, y, y_stride, bias, col, cols);
 }
 
 /* Blocks of 5 or 6 rows go in passes of 2 vectors (on AVX-512 a whole group). On AVX2 fewer rows go
@@ -287,20 +292,20 @@ static inline __attribute__((always_inline)) void buffer_rows(const float *x, in
 #define WIDE_ROWS (12 / NV)
 
 static void buffer_block(const float *x, int64_t xs, const float *buf, int64_t k, int mr, float *y, int64_t ys,
-                         const float *bias, int64_t col, int64_t cols) {
+                         const float *bias, int64_t col, int64_t cols, float *partial, int first, int last) {
     switch (mr) {
 #if NV > 2
-    case 1: buffer_rows(x, xs, buf, k, 1, NV, y, ys, bias, col, cols); break;
-    case 2: buffer_rows(x, xs, buf, k, 2, NV, y, ys, bias, col, cols); break;
-    case 3: buffer_rows(x, xs, buf, k, 3, NV, y, ys, bias, col, cols); break;
+    case 1: buffer_rows(x, xs, buf, k, 1, NV, y, ys, bias, col, cols, partial, first, last); break;
+    case 2: buffer_rows(x, xs, buf, k, 2, NV, y, ys, bias, col, cols, partial, first, last); break;
+    case 3: buffer_rows(x, xs, buf, k, 3, NV, y, ys, bias, col, cols, partial, first, last); break;
 #else
-    case 1: buffer_rows(x, xs, buf, k, 1, 2, y, ys, bias, col, cols); break;
-    case 2: buffer_rows(x, xs, buf, k, 2, 2, y, ys, bias, col, cols); break;
-    case 3: buffer_rows(x, xs, buf, k, 3, 2, y, ys, bias, col, cols); break;
-    case 4: buffer_rows(x, xs, buf, k, 4, 2, y, ys, bias, col, cols); break;
+    case 1: buffer_rows(x, xs, buf, k, 1, 2, y, ys, bias, col, cols, partial, first, last); break;
+    case 2: buffer_rows(x, xs, buf, k, 2, 2, y, ys, bias, col, cols, partial, first, last); break;
+    case 3: buffer_rows(x, xs, buf, k, 3, 2, y, ys, bias, col, cols, partial, first, last); break;
+    case 4: buffer_rows(x, xs, buf, k, 4, 2, y, ys, bias, col, cols, partial, first, last); break;
 #endif
-    case 5: buffer_rows(x, xs, buf, k, 5, 2, y, ys, bias, col, cols); break;
-    default: buffer_rows(x, xs, buf, k, 6, 2, y, ys, bias, col, cols); break;
+    case 5: buffer_rows(x, xs, buf, k, 5, 2, y, ys, bias, col, cols, partial, first, last); break;
+    default: buffer_rows(x, xs, buf, k, 6, 2, y, ys, bias, col, cols, partial, first, last); break;
     }
 }
 
@@ -667,7 +672,8 @@ void quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *pac
     const int64_t chunk = num_chunks > 1 ? ((m + num_chunks - 1) / num_chunks + MRB - 1) / MRB * MRB : m;
     #pragma omp parallel
     {
-        float *buf = group_buffer(k * GROUP);
+        const int64_t ks = k < SLICE_K ? k : SLICE_K;
+        float *buf = group_buffer((ks + chunk) * GROUP), *partial = buf ? buf + ks * GROUP : NULL;
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
             const int64_t num_blocks = row_blocks(m1 - m0);
@@ -683,12 +689,16 @@ void quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *pac
                     }
                     continue;
                 }
-                dequantize_group(type, packed + g * group_bytes, nb, buf);
-                for (int64_t b = 0, r0 = m0; b < num_blocks; b++) {
-                    /* near-equal blocks: the first (rows % blocks) get one row more */
-                    const int mr = (int)((m1 - m0) / num_blocks + (b < (m1 - m0) % num_blocks));
-                    buffer_block(x + r0 * x_stride, x_stride, buf, k, mr, y + r0 * y_stride, y_stride, bias, col, cols);
-                    r0 += mr;
+                for (int64_t k0 = 0; k0 < k; k0 += ks) {
+                    const int64_t kl = k - k0 < ks ? k - k0 : ks;
+                    dequantize_group(type, packed + g * group_bytes + k0 / QK * tile_bytes(type), kl / QK, buf);
+                    for (int64_t b = 0, r0 = m0; b < num_blocks; b++) {
+                        /* near-equal blocks: the first (rows % blocks) get one row more */
+                        const int mr = (int)((m1 - m0) / num_blocks + (b < (m1 - m0) % num_blocks));
+                        buffer_block(x + r0 * x_stride + k0, x_stride, buf, kl, mr, y + r0 * y_stride, y_stride, bias,
+                                     col, cols, partial + (r0 - m0) * GROUP, k0 == 0, k0 + kl >= k);
+                        r0 += mr;
+                    }
                 }
             }
         }
