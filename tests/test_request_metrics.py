@@ -3,12 +3,14 @@ test_openai_http.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
-from prometheus_client import values
+from prometheus_client import CollectorRegistry, Histogram, values
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagewire_common.v1 import generation_pb2 as pb
-from scheduler_svc.api.metrics import RequestMetrics, exposition
+from scheduler_svc.api.metrics import ITL_BUCKETS, RequestMetrics, exposition
 
 
 def _itl(metrics: RequestMetrics) -> tuple[float, float]:
@@ -26,6 +28,59 @@ def test_every_token_after_a_requests_first_is_one_inter_token_latency_however_g
     count, total = _itl(metrics)
     assert count == sum(deltas) - 1
     assert total == pytest.approx(0.5 * (len(deltas) - 1))  # the first delta's extra tokens took no time
+
+
+def _token_figures(metrics: RequestMetrics) -> dict[tuple[str, str | None], float]:
+    """The inter-token-latency and generated-token samples of ``metrics``' model ((name, le) -> value)."""
+    return {(s.name, s.labels.get("le")): s.value for family in metrics.registry.collect() for s in family.samples
+            if s.labels.get("model_name") == metrics.model_name and not s.name.endswith("_created")
+            and ("inter_token" in s.name or "generation_tokens" in s.name)}
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_token_figures_are_written_once_a_turn_as_observe_would_write_them(monkeypatch, tmp_path, multiprocess):
+    """Inside the event loop the per-token figures wait for the end of the loop's turn, then land
+    as one ``observe`` per inter-token latency would have put them: each bucket (bounds included:
+    an observation equal to a bound is in its bucket), the count, the sum and the token counter.
+    (In multiprocess mode one process's values of a series share one file entry, so each instance
+    here records under a model name of its own.)"""
+    if multiprocess:
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+        monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    else:
+        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    deltas = [(1, None), (1, 0.005), (3, 0.015), (2, 0.3), (1, 0.005), (1, 100.0), (4, None), (1, 0.0001)]
+    reference = RequestMetrics("outside")
+    for n, seconds in deltas:  # outside a loop: written at once
+        reference.tokens(n, seconds)
+    expected = _token_figures(reference)
+    assert expected[("pagewire:generation_tokens_total", None)] == sum(n for n, _ in deltas)
+    one_by_one = Histogram("h", "", buckets=ITL_BUCKETS, registry=CollectorRegistry())
+    for n, seconds in deltas:
+        for _ in range(n - 1 if seconds is None else n):
+            one_by_one.observe(0.0 if seconds is None else seconds / n)
+    observed = {(s.name.replace("h_", "pagewire:inter_token_latency_seconds_"), s.labels.get("le")): s.value
+                for family in one_by_one.collect() for s in family.samples if not s.name.endswith("_created")}
+    assert {key: value for key, value in expected.items() if "inter_token" in key[0]} == pytest.approx(observed)
+
+    async def feed(metrics: RequestMetrics) -> tuple[dict, dict]:
+        for n, seconds in deltas:
+            metrics.tokens(n, seconds)
+        before = _token_figures(metrics)
+        await asyncio.sleep(0)  # the end of this turn
+        return before, _token_figures(metrics)
+
+    before, after = asyncio.run(feed(RequestMetrics("in-loop")))
+    assert set(before.values()) == {0.0}  # nothing written within the turn
+    assert after == pytest.approx(expected)
+
+    metrics = RequestMetrics("scraped")
+    metrics._flush_scheduled = True  # as if the turn had not ended yet: a scrape writes what is pending
+    for n, seconds in deltas:
+        metrics.tokens(n, seconds)
+    assert set(_token_figures(metrics).values()) == {0.0}
+    exposition(metrics, None, "scraped")
+    assert _token_figures(metrics) == pytest.approx(expected)
 
 
 def _series_model_names(text: bytes) -> dict[str, set[str]]:

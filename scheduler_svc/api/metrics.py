@@ -16,6 +16,9 @@ dashboards built for it carry over.
 
 from __future__ import annotations
 
+import asyncio
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -42,7 +45,13 @@ class RequestMetrics:
     A family's series exist from ``set_model_name`` on: creating a labelled child publishes it at
     zero (in multiprocess mode it is written to this process's files at once), so none is made
     before the served model is known. No request is recorded before then: the API server opens
-    none until it has the model."""
+    none until it has the model.
+
+    The per-token figures (generated tokens, inter-token latencies) are summed in plain Python and
+    written to their metric values once per turn of the event loop (``flush``; a scrape flushes
+    first), not once per token: a value's write takes a lock and, in multiprocess mode, a
+    ``getpid`` system call and a write to its file, and a step's deltas reach their handlers in one
+    turn."""
 
     def __init__(self, model_name: str | None = None):
         self.model_name: str | None = None
@@ -62,6 +71,9 @@ class RequestMetrics:
         labels = ("model_name", "finished_reason")
         self._success = Counter(PREFIX + "request_success", "Requests finished, by reason (stop, length, abort).",
                                 labelnames=labels, registry=registry)
+        self._pending_tokens = 0
+        self._pending_itl: dict[float, int] = {}  # an inter-token latency -> how many tokens took it
+        self._flush_scheduled = False
         if model_name is not None:
             self.set_model_name(model_name)
 
@@ -69,6 +81,8 @@ class RequestMetrics:
         """Record under ``name`` from now on (the series of an earlier name keep their values)."""
         if name == self.model_name:
             return
+        if self.model_name is not None:
+            self.flush()  # what is pending belongs to the earlier name
         self.model_name = name
         self.ttft = self._ttft.labels(name)
         self.itl = self._itl.labels(name)
@@ -90,17 +104,54 @@ class RequestMetrics:
         """``n`` tokens arrived together; the first delta has no previous one. Every token after a
         request's first is one inter-token latency, however the tokens were grouped: the tokens
         that came with the first took no time after it."""
-        self.generation.inc(n)
+        self._pending_tokens += n
         if seconds_since_last is None:
             each, n = 0.0, n - 1
         else:
             each = seconds_since_last / n
-        for _ in range(n):
-            self.itl.observe(each)
+        if n > 0:
+            self._pending_itl[each] = self._pending_itl.get(each, 0) + n
+        if not self._flush_scheduled:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # called outside the event loop: write at once
+                self.flush()
+                return
+            self._flush_scheduled = True
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write the pending token counts and inter-token latencies to their metric values: what
+        one ``observe`` per latency would write, in one write per bucket touched."""
+        self._flush_scheduled = False
+        if self._pending_tokens:
+            self.generation.inc(self._pending_tokens)
+            self._pending_tokens = 0
+        if self._pending_itl:
+            _observe_many(self.itl, self._pending_itl)
+            self._pending_itl = {}
 
     def finished(self, reason: str, seconds: float) -> None:
         self.e2e.observe(seconds)
         self._success.labels(self.model_name, reason).inc()
+
+
+def _observe_many(histogram, counts: dict[float, int]) -> None:
+    """``histogram.observe(value)`` ``count`` times for each value: each value's count added to the
+    bucket ``observe`` would pick (the first bound at or above it) and value x count to the sum.
+    prometheus_client has no public call for this; its histogram child keeps ``_upper_bounds``,
+    ``_buckets`` (one value per bound, not cumulative) and ``_sum`` (tests/test_request_metrics.py
+    checks the result against plain ``observe`` calls)."""
+    bounds, buckets = histogram._upper_bounds, histogram._buckets
+    per_bucket = [0] * len(bounds)
+    total = 0.0
+    for value, count in counts.items():
+        per_bucket[bisect_left(bounds, value)] += count
+        total += value * count
+    histogram._sum.inc(total)
+    for bucket, count in zip(buckets, per_bucket):
+        if count:
+            bucket.inc(count)
 
 
 class CoreFigures:
@@ -139,6 +190,8 @@ def exposition(metrics: RequestMetrics, stats: pb.Stats | None, model_name: str 
     """The text for one scrape: the request figures of every API server sharing the multiprocess
     folder (else this one's) and, when the core answered and the served model is known, the core's
     (under that model's name: there is no series without one)."""
+    if metrics.model_name is not None:
+        metrics.flush()
     scrape = CollectorRegistry()
     if multiprocess_dir():
         from prometheus_client import multiprocess
