@@ -14,7 +14,9 @@
  *
  * On CPUs with AVX2 and a head_dim that is a multiple of 8, the inner loops are written with
  * intrinsics (eight keys' dot products at a time, value accumulators in registers, an eight-lane
- * exp); otherwise plain loops that the compiler vectorizes as it can. On a 2-core AVX2 host, in
+ * exp); otherwise plain loops that the compiler vectorizes as it can. A bf16 query over a bf16
+ * cache takes its scores from AVX-512 BF16 dot products where the CPU has them (block_scores_dot).
+ * On a 2-core AVX2 host, in
  * SmolLM2's decode steps (32 sequences of ~50 tokens, 9 query heads over 3 KV heads of 64), the
  * intrinsics took the kernel from ~400 to ~215 us per layer; what is left is mostly the context
  * arriving from memory (software prefetch of the next block did not change it).
@@ -221,6 +223,58 @@ static inline void block_values_##SUFFIX(float *acc, const float *p, const KVT *
 DEFINE_BLOCK(f32, float, LOAD_F32, load8_f32)
 DEFINE_BLOCK(bf16, uint16_t, bf16_to_f32, load8_bf16)
 
+/* Scores of a bf16 query over bf16 keys with AVX-512 BF16 dot products (head_dim a multiple of 32):
+ * sc[j] = scale * (q . k_j), q the head's query as the model gave it. vdpbf16ps multiplies 32 bf16
+ * pairs an instruction, each product exact in fp32, where the loop above widens every key element
+ * to fp32 for each query head first (two vector operations per eight elements, then the FMA).
+ * Without AVX-512 BF16 the same sums one element at a time (never called there). */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && HAVE_AVX2
+#define HAVE_DPBF16 1
+static inline __m256 fold16(__m512 a) { /* lanes i and i + 8 added */
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+static inline void block_scores_dot(const uint16_t *q, float scale, const uint16_t *kb, int64_t row, int64_t n,
+                                    int64_t head_dim, float *sc) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const uint16_t *k = kb + j * row;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(k + d), qv);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(k + row + d), qv);
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(k + 2 * row + d), qv);
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(k + 3 * row + d), qv);
+            a4 = _mm512_dpbf16_ps(a4, (__m512bh)_mm512_loadu_si512(k + 4 * row + d), qv);
+            a5 = _mm512_dpbf16_ps(a5, (__m512bh)_mm512_loadu_si512(k + 5 * row + d), qv);
+            a6 = _mm512_dpbf16_ps(a6, (__m512bh)_mm512_loadu_si512(k + 6 * row + d), qv);
+            a7 = _mm512_dpbf16_ps(a7, (__m512bh)_mm512_loadu_si512(k + 7 * row + d), qv);
+        }
+        const __m256 s8 = hsum8(fold16(a0), fold16(a1), fold16(a2), fold16(a3), fold16(a4), fold16(a5), fold16(a6),
+                                fold16(a7));
+        _mm256_storeu_ps(sc + j, _mm256_mul_ps(s8, sv));
+    }
+    for (; j < n; j++) {
+        const uint16_t *k = kb + j * row;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 32)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + d), (__m512bh)_mm512_loadu_si512(q + d));
+        sc[j] = _mm512_reduce_add_ps(a) * scale;
+    }
+}
+#else
+#define HAVE_DPBF16 0
+static inline void block_scores_dot(const uint16_t *q, float scale, const uint16_t *kb, int64_t row, int64_t n,
+                                    int64_t head_dim, float *sc) {
+    for (int64_t j = 0; j < n; j++) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) dot += bf16_to_f32(q[d]) * bf16_to_f32(kb[j * row + d]);
+        sc[j] = dot * scale;
+    }
+}
+#endif
+
 /* s[0..len) = softmax numerators exp(s - max); returns their sum */
 static inline float softmax_row(float *s, int64_t len) {
     int64_t j = 0;
@@ -251,7 +305,7 @@ static inline float softmax_row(float *s, int64_t len) {
 
 /* Returns 0 on success, a negative code when the metadata is inconsistent (checked before any
  * work, so nothing is written on error). */
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, KVT, BLOCK_SCORES, BLOCK_VALUES)                      \
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, KVT, BLOCK_SCORES, BLOCK_VALUES, SCORES_DOT)          \
 int NAME(const T *query,            /* [num_tokens, H, D] */                                               \
          const KVT *kv,             /* [2, num_blocks, block_size, Hkv, D] */                              \
          T *out,                    /* [num_tokens, H, D] */                                               \
@@ -316,8 +370,13 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
             for (int64_t start = 0; start < len; start += block_size) {                                    \
                 const int64_t n = len - start < block_size ? len - start : block_size;                     \
                 const KVT *kb = kv + ((int64_t)table[start / block_size] * block_size) * row + h * head_dim; \
-                for (int64_t g = 0; g < group; g++)                                                        \
-                    BLOCK_SCORES(q + g * head_dim, kb, row, n, head_dim, sc + g * max_len + start);        \
+                if (SCORES_DOT && HAVE_DPBF16 && head_dim % 32 == 0)                                       \
+                    for (int64_t g = 0; g < group; g++)                                                    \
+                        block_scores_dot((const uint16_t *)(query + (t * num_heads + h * group + g) * head_dim), \
+                                         scale, (const uint16_t *)kb, row, n, head_dim, sc + g * max_len + start); \
+                else                                                                                       \
+                    for (int64_t g = 0; g < group; g++)                                                    \
+                        BLOCK_SCORES(q + g * head_dim, kb, row, n, head_dim, sc + g * max_len + start);    \
             }                                                                                              \
             float inv[group];                                                                              \
             for (int64_t g = 0; g < group; g++) inv[g] = 1.0f / softmax_row(sc + g * max_len, len);       \
@@ -344,13 +403,13 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
 #define STORE_BF16(x) f32_to_bf16(x)
 
 /* (query and output, cache) */
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32, float, block_scores_f32, block_values_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32, float, block_scores_f32, block_values_f32, 0)
 DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, LOAD_BF16, STORE_BF16, uint16_t, block_scores_bf16,
-                       block_values_bf16)
+                       block_values_bf16, 1)
 /* fp32 activations over a bf16 cache: a bf16 model on a CPU without native bf16 (the worker's
  * cpu/bf16_linear.py) */
 DEFINE_PAGED_ATTENTION(paged_attention_f32_bf16kv, float, LOAD_F32, STORE_F32, uint16_t, block_scores_bf16,
-                       block_values_bf16)
+                       block_values_bf16, 0)
 
 /* The append of a step's K and V rows into a layer's cache [2, num_slots, row_bytes] (kvcache.paged.write_kv's
  * scatter, for caches of the activations' dtype): token t's rows (key + t * key_stride, value + t * value_stride,
