@@ -86,6 +86,20 @@ def test_matches_reference_bf16(kernel, block_size):
     torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=8e-3)
 
 
+@pytest.mark.parametrize("head_dim", [64, 72, 96, 128, 40])
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 1), (2, 2), (3, 3), (2, 4)])
+def test_bf16_head_dims_and_groups(kernel, head_dim, num_kv_heads, group):
+    """bf16 queries over a bf16 cache take, on AVX-512 BF16, dot products for the scores where
+    head_dim is a multiple of 32 and every value widened once for 2 or 3 query heads (64 columns at
+    a time, then a tail): each shape against the reference, as the widening loops elsewhere."""
+    query_lens, seq_lens = CASES[2]
+    query, kv, meta, scale = _batch(query_lens, seq_lens, 16, num_kv_heads, group, torch.bfloat16, seed=5,
+                                    head_dim=head_dim)
+    out = kernel.paged_attention(query, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    expected = paged_attention_ref(query.float(), kv.float(), meta, scale)
+    torch.testing.assert_close(out.float(), expected, atol=4e-3, rtol=8e-3)
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_fp32_queries_over_a_bf16_cache_match_the_reference(kernel, block_size):
     """A bf16 model computing in fp32 (CPUs without native bf16): the cache is the only rounding."""

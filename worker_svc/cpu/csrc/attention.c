@@ -15,7 +15,8 @@
  * On CPUs with AVX2 and a head_dim that is a multiple of 8, the inner loops are written with
  * intrinsics (eight keys' dot products at a time, value accumulators in registers, an eight-lane
  * exp); otherwise plain loops that the compiler vectorizes as it can. A bf16 query over a bf16
- * cache takes its scores from AVX-512 BF16 dot products where the CPU has them (block_scores_dot).
+ * cache takes its scores from AVX-512 BF16 dot products where the CPU has them (block_scores_dot),
+ * and its values pass widens each element once for 2 or 3 query heads (group_values_bf16).
  * On a 2-core AVX2 host, in
  * SmolLM2's decode steps (32 sequences of ~50 tokens, 9 query heads over 3 KV heads of 64), the
  * intrinsics took the kernel from ~400 to ~215 us per layer; what is left is mostly the context
@@ -263,8 +264,41 @@ static inline void block_scores_dot(const uint16_t *q, float scale, const uint16
         sc[j] = _mm512_reduce_add_ps(a) * scale;
     }
 }
+
+/* acc_g += sum over j < n of p_g[j] v_j for the G = 2 or 3 query heads of a KV head (p_g at
+ * p + g * p_stride), 64 columns at a time: each bf16 value element is widened once for all the
+ * heads, the 3 x 8 accumulators held in AVX-512's 32 registers. The same FMAs in the same order as
+ * block_values_bf16 per head, so the same bits. */
+static inline __attribute__((always_inline)) void group_values_bf16(float *acc, int64_t acc_stride, const float *p,
+                                                                    int64_t p_stride, const uint16_t *vb, int64_t row,
+                                                                    int64_t n, int64_t head_dim, const int group) {
+    int64_t d = 0;
+    for (; d + 64 <= head_dim; d += 64) {
+        __m256 a[3][8];
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 8; c++) a[g][c] = _mm256_loadu_ps(acc + g * acc_stride + d + 8 * c);
+        for (int64_t j = 0; j < n; j++) {
+            __m256 pj[3];
+            for (int g = 0; g < group; g++) pj[g] = _mm256_broadcast_ss(p + g * p_stride + j);
+            const uint16_t *v = vb + j * row + d;
+            for (int c = 0; c < 8; c++) {
+                const __m256 vc = load8_bf16(v + 8 * c);
+                for (int g = 0; g < group; g++) a[g][c] = _mm256_fmadd_ps(pj[g], vc, a[g][c]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + g * acc_stride + d + 8 * c, a[g][c]);
+    }
+    if (d < head_dim)
+        for (int g = 0; g < group; g++)
+            block_values_bf16(acc + g * acc_stride + d, p + g * p_stride, vb + d, row, n, head_dim - d);
+}
 #else
 #define HAVE_DPBF16 0
+static inline void group_values_bf16(float *acc, int64_t acc_stride, const float *p, int64_t p_stride,
+                                     const uint16_t *vb, int64_t row, int64_t n, int64_t head_dim, const int group) {
+    for (int g = 0; g < group; g++) block_values_bf16(acc + g * acc_stride, p + g * p_stride, vb, row, n, head_dim);
+}
 static inline void block_scores_dot(const uint16_t *q, float scale, const uint16_t *kb, int64_t row, int64_t n,
                                     int64_t head_dim, float *sc) {
     for (int64_t j = 0; j < n; j++) {
@@ -384,8 +418,14 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
             for (int64_t start = 0; start < len; start += block_size) {                                    \
                 const int64_t n = len - start < block_size ? len - start : block_size;                     \
                 const KVT *vb = kv + kv_half + ((int64_t)table[start / block_size] * block_size) * row + h * head_dim; \
-                for (int64_t g = 0; g < group; g++)                                                        \
-                    BLOCK_VALUES(acc + g * head_dim, sc + g * max_len + start, vb, row, n, head_dim);      \
+                if (SCORES_DOT && HAVE_DPBF16 && (group == 2 || group == 3)) {                             \
+                    if (group == 2)                                                                        \
+                        group_values_bf16(acc, head_dim, sc + start, max_len, (const uint16_t *)vb, row, n, head_dim, 2); \
+                    else                                                                                   \
+                        group_values_bf16(acc, head_dim, sc + start, max_len, (const uint16_t *)vb, row, n, head_dim, 3); \
+                } else                                                                                     \
+                    for (int64_t g = 0; g < group; g++)                                                    \
+                        BLOCK_VALUES(acc + g * head_dim, sc + g * max_len + start, vb, row, n, head_dim);  \
             }                                                                                              \
             for (int64_t g = 0; g < group; g++) {                                                          \
                 T *dst = out + (t * num_heads + h * group + g) * head_dim;                                 \
