@@ -228,7 +228,8 @@ DEFINE_BLOCK(bf16, uint16_t, bf16_to_f32, load8_bf16)
  * sc[j] = scale * (q . k_j), q the head's query as the model gave it. vdpbf16ps multiplies 32 bf16
  * pairs an instruction, each product exact in fp32, where the loop above widens every key element
  * to fp32 for each query head first (two vector operations per eight elements, then the FMA).
- * Without AVX-512 BF16 the same sums one element at a time (never called there). */
+ * Without AVX-512 BF16 neither this nor group_values_bf16 is called; their stand-ins after #else
+ * compute the same. */
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && HAVE_AVX2
 #define HAVE_DPBF16 1
 static inline __m256 fold16(__m512 a) { /* lanes i and i + 8 added */
@@ -338,8 +339,9 @@ static inline float softmax_row(float *s, int64_t len) {
 }
 
 /* Returns 0 on success, a negative code when the metadata is inconsistent (checked before any
- * work, so nothing is written on error). */
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, KVT, BLOCK_SCORES, BLOCK_VALUES, SCORES_DOT)          \
+ * work, so nothing is written on error). BF16_BOTH: bf16 queries over a bf16 cache, which take
+ * block_scores_dot and group_values_bf16 where the CPU has AVX-512 BF16. */
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, KVT, BLOCK_SCORES, BLOCK_VALUES, BF16_BOTH)          \
 int NAME(const T *query,            /* [num_tokens, H, D] */                                               \
          const KVT *kv,             /* [2, num_blocks, block_size, Hkv, D] */                              \
          T *out,                    /* [num_tokens, H, D] */                                               \
@@ -404,7 +406,7 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
             for (int64_t start = 0; start < len; start += block_size) {                                    \
                 const int64_t n = len - start < block_size ? len - start : block_size;                     \
                 const KVT *kb = kv + ((int64_t)table[start / block_size] * block_size) * row + h * head_dim; \
-                if (SCORES_DOT && HAVE_DPBF16 && head_dim % 32 == 0)                                       \
+                if (BF16_BOTH && HAVE_DPBF16 && head_dim % 32 == 0)                                       \
                     for (int64_t g = 0; g < group; g++)                                                    \
                         block_scores_dot((const uint16_t *)(query + (t * num_heads + h * group + g) * head_dim), \
                                          scale, (const uint16_t *)kb, row, n, head_dim, sc + g * max_len + start); \
@@ -418,7 +420,7 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
             for (int64_t start = 0; start < len; start += block_size) {                                    \
                 const int64_t n = len - start < block_size ? len - start : block_size;                     \
                 const KVT *vb = kv + kv_half + ((int64_t)table[start / block_size] * block_size) * row + h * head_dim; \
-                if (SCORES_DOT && HAVE_DPBF16 && (group == 2 || group == 3)) {                             \
+                if (BF16_BOTH && HAVE_DPBF16 && (group == 2 || group == 3)) {                             \
                     if (group == 2)                                                                        \
                         group_values_bf16(acc, head_dim, sc + start, max_len, (const uint16_t *)vb, row, n, head_dim, 2); \
                     else                                                                                   \
