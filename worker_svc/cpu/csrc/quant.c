@@ -247,7 +247,8 @@ static void dequantize_group(int type, const uint8_t *tiles, int64_t nb, float *
  * the block's mr x bnv accumulators (at most 12) and one k's bnv weight vectors fit the vector
  * registers together, so each weight vector is loaded once per k and pass whatever the compiler's
  * tuning (with all 4 AVX2 vectors and 3 rows there are 17 values for 16 registers, and gcc's znver
- * tuning then re-reads every weight vector for every row: 15-20% slower at 24-64 rows). */
+ * tuning then re-reads every weight vector for every row: 15-20% slower at 24-64 rows). Blocks of
+ * 3 rows or fewer still take all 4 AVX2 vectors in one pass (PASS_ROWS below says why). */
 static inline __attribute__((always_inline)) void buffer_rows(const float *x, int64_t x_stride, const float *buf,
                                                               int64_t k, const int mr, const int bnv, float *y,
                                                               int64_t y_stride, const float *bias, int64_t col,
