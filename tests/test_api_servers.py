@@ -65,8 +65,9 @@ def all_blocks_free(addr: str):
         channel = ready_channel(addr, 5)
         if channel is None:
             return None
-        s = generation_pb2_grpc.GenerationStub(channel).GetStats.future(pb.StatsRequest(), timeout=5).result(timeout=10)
-        channel.close()
+        with channel:
+            s = generation_pb2_grpc.GenerationStub(channel).GetStats.future(pb.StatsRequest(), timeout=5).result(
+                timeout=10)
         return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks and s
 
     return wait_until(done, timeout=15)

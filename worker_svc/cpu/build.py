@@ -5,8 +5,9 @@ A kernel's source is compiled with the system C compiler (``$CC``, else ``cc`` o
 apart from reassociation) into ``$PAGEWIRE_CACHE_DIR/kernels`` (default
 ``~/.cache/pagewire/kernels``), named by a hash of the source, the flags, the compiler, the CPU
 and the ABI version, and written atomically so concurrent processes can race to build it. It links
-the ``libgomp.so.1`` that torch has already loaded, so its threads are torch's OpenMP threads. No compiler, or a failed build: :func:`load` returns None
-with one warning, and the caller keeps its torch path.
+the ``libgomp.so.1`` that torch has already loaded, so its threads are torch's OpenMP threads. No
+compiler, or a failed build: :func:`load` returns None with one warning, and the caller keeps its
+torch path.
 
 Used by every kernel of this package (``csrc/*.c``), and by nothing outside it.
 """

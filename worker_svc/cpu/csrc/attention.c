@@ -366,6 +366,10 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
     const int64_t group = num_heads / num_kv_heads;                                                        \
     const int64_t kv_half = num_blocks * block_size * num_kv_heads * head_dim; /* K to V offset */         \
     const int64_t row = num_kv_heads * head_dim;                                                           \
+    /* bf16 queries over a bf16 cache on AVX-512 BF16: dot-product scores from the query as given (the  \
+     * scaled fp32 copy is not made), values widened once for the heads of a KV head */                  \
+    const int dot_scores = BF16_BOTH && HAVE_DPBF16 && head_dim % 32 == 0;                                 \
+    const int grouped_values = BF16_BOTH && HAVE_DPBF16 && (group == 2 || group == 3);                     \
     /* the query tokens this call computes, and their sequences */                                       \
     int64_t *token_seq = (int64_t *)malloc(sizeof(int64_t) * 2 * (num_tokens > 0 ? num_tokens : 1));      \
     if (!token_seq) return -6;                                                                             \
@@ -397,7 +401,7 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
             const int64_t len = seq_len - q_len + (t - query_start_loc[s]) + 1; /* keys it sees */        \
             const int32_t *table = block_tables + s * block_table_stride;                                  \
             float *q = scratch, *acc = q + group * head_dim, *sc = acc + group * head_dim;                 \
-            for (int64_t g = 0; g < group; g++) {                                                          \
+            for (int64_t g = 0; g < group && !dot_scores; g++) {                                           \
                 const T *src = query + (t * num_heads + h * group + g) * head_dim;                         \
                 for (int64_t d = 0; d < head_dim; d++) q[g * head_dim + d] = LOAD(src[d]) * scale;         \
             }                                                                                              \
@@ -406,7 +410,7 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
             for (int64_t start = 0; start < len; start += block_size) {                                    \
                 const int64_t n = len - start < block_size ? len - start : block_size;                     \
                 const KVT *kb = kv + ((int64_t)table[start / block_size] * block_size) * row + h * head_dim; \
-                if (BF16_BOTH && HAVE_DPBF16 && head_dim % 32 == 0)                                       \
+                if (dot_scores)                                                                            \
                     for (int64_t g = 0; g < group; g++)                                                    \
                         block_scores_dot((const uint16_t *)(query + (t * num_heads + h * group + g) * head_dim), \
                                          scale, (const uint16_t *)kb, row, n, head_dim, sc + g * max_len + start); \
@@ -420,7 +424,7 @@ int NAME(const T *query,            /* [num_tokens, H, D] */                    
             for (int64_t start = 0; start < len; start += block_size) {                                    \
                 const int64_t n = len - start < block_size ? len - start : block_size;                     \
                 const KVT *vb = kv + kv_half + ((int64_t)table[start / block_size] * block_size) * row + h * head_dim; \
-                if (BF16_BOTH && HAVE_DPBF16 && (group == 2 || group == 3)) {                             \
+                if (grouped_values) {                                                                      \
                     if (group == 2)                                                                        \
                         group_values_bf16(acc, head_dim, sc + start, max_len, (const uint16_t *)vb, row, n, head_dim, 2); \
                     else                                                                                   \
