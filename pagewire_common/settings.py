@@ -213,6 +213,12 @@ class Settings:
         "rank), 32 weights and one fp16 scale each, dequantized to fp32 in registers; a quarter of fp32's bytes "
         "to read per token (default: %(default)s)", scope=(WORKER,), check=_one_of(QUANTIZATIONS),
         choices=QUANTIZATIONS)
+    int8_activations: bool = _setting(
+        False, "multiply quantized weights (a GGUF's Q4_0, Q4_1 and Q8_0 blocks, --quantization int8) by activations "
+        "rounded to int8 per block of 32 values, as llama.cpp does, in integer arithmetic on CPU: about twice the "
+        "throughput of the fp32 multiply-adds on AVX2 CPUs at many rows, but the outputs are no longer the "
+        "dequantized model's (on AVX-512 BF16 CPUs the default bf16 arithmetic is faster)", scope=(WORKER,),
+        check=_boolean)
     gguf_weights: str = _setting(
         "auto", "how a .gguf model's weights are served on CPU with one rank: quantized: from the file's Q4_0, "
         "Q4_1 and Q8_0 blocks as they are (memory about the file's size), an error for other block types; "

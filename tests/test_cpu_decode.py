@@ -41,10 +41,14 @@ def checked_forward(monkeypatch) -> list[int]:
     return checked
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8-activations"])
 @pytest.mark.parametrize("kind,tied", [("llama-gqa", False), ("llama-gqa", True), ("qwen2-bias", True)],
                          ids=["gguf-untied", "gguf-tied", "int8-biases"])
 def test_lean_pass_equals_the_modules(quant_lib, tiny_model_dir, tmp_path, monkeypatch, dtype, kind, tied):
+    """Also with --int8-activations (fp32 arithmetic around int8 products): its tokens alone equal
+    its tokens in a batch."""
+    int8 = dtype == "int8-activations"
+    dtype = "float32" if int8 else dtype
     if dtype == "bfloat16" and not Q.bf16_kernel_available():
         pytest.skip("bf16 compute needs the AVX-512 BF16 kernel (a bf16 model computes in fp32 here)")
     fused = cpu_fused.kernel()
@@ -60,9 +64,10 @@ def test_lean_pass_equals_the_modules(quant_lib, tiny_model_dir, tmp_path, monke
     # lengths: a one-token prompt, chunks the lean pass serves (9, 17) and one it leaves to the modules (40)
     prompts = sample_prompts(source, n=4, lengths=(1, 9, 17, 40))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with LLM(model_dir, dtype=dtype, enable_prefix_caching=False, **served) as llm:
+    with LLM(model_dir, dtype=dtype, enable_prefix_caching=False, int8_activations=int8, **served) as llm:
         model = llm.runner.model
         assert isinstance(model.cpu_decode, decode.QuantDecode)
+        assert model.model.layers[0].self_attn.qkv_proj.int8_activations == int8
         qkv = model.model.layers[0].self_attn.qkv_proj
         if kind == "qwen2-bias":
             assert qkv.bias is not None and [t.name for t in qkv.packed_types] == ["Q8_0"]

@@ -63,6 +63,11 @@ def test_every_build_of_the_kernel_gives_the_same_bits(tmp_path):
             outputs = [kernel.linear(x, packed, btype, n, bias) for kernel in kernels]
             for other in outputs[1:]:
                 assert torch.equal(other, outputs[0]), (btype.name, m)
+            # int8 activations: the AVX2 integer products and the portable loop (1 row, pairs of rows, a tail)
+            assert kernels[0].i8_simd and not kernels[1].i8_simd
+            outputs = [kernel.linear_i8(x, packed, btype, n, bias) for kernel in kernels]
+            for other in outputs[1:]:
+                assert torch.equal(other, outputs[0]), (btype.name, m, "int8 activations")
 
 
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
@@ -86,6 +91,41 @@ def test_kernel_matches_the_torch_dequantization(lib, btype, qtype, n, k):
         assert torch.equal(lib.linear(x[-1:], packed, btype, n, bias)[0], y[-1])
     ids = torch.tensor([0, n - 1, 5, 5])
     assert torch.equal(lib.rows(packed, btype, ids, n, k), dense[ids])
+
+
+def int8_activations_ref(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per row and block of 32 (scale max |x| / 127) times the dequantized weight,
+    in float64: what the int8 kernel computes, up to its fp32 roundings."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) * np.float32(1 / 127)
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    rounded = torch.round(blocks * inverse).clamp(-127, 127) * scale
+    return rounded.reshape(m, k).double() @ dense.double().T
+
+
+@pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
+@pytest.mark.parametrize("n,k", [(37, 64), (200, 96), (64, 576), (96, 1536)])
+def test_int8_activation_kernel_matches_its_reference(lib, btype, qtype, n, k):
+    """Each row rounded to int8 per block (the sums exact in integers, the scales applied per block);
+    a row's result does not depend on its batch (rows go in pairs, then one alone)."""
+    torch.manual_seed(n + k)
+    packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
+    dense = Q.dequantize_ref(packed, btype, n, k)
+    bias = torch.randn(n)
+    for m in (1, 2, 3, 8, 33):
+        x = torch.randn(m, k)
+        x[0, :32] = 0.0  # a block of zeros: scale 0
+        y = lib.linear_i8(x, packed, btype, n, bias)
+        reference = int8_activations_ref(x, dense) + bias.double()
+        torch.testing.assert_close(y.double(), reference, atol=2e-6 * k, rtol=1e-5)
+        # not the fp32 arithmetic: the rounding of the activations shows
+        assert (y.double() - (x.double() @ dense.double().T + bias.double())).abs().max() > 1e-3
+        for row in (0, m - 1):
+            assert torch.equal(lib.linear_i8(x[row : row + 1], packed, btype, n, bias)[0], y[row])
+        out = torch.full((m, n + 5), 7.0)
+        lib.linear_i8(x, packed, btype, n, bias, out=out[:, 2 : n + 2])  # a view: columns past n untouched
+        assert torch.equal(out[:, 2 : n + 2], y) and (out[:, :2] == 7).all() and (out[:, n + 2 :] == 7).all()
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +357,22 @@ def test_unsupported_block_type_is_named_and_auto_falls_back(lib, tiny_model_dir
         model, _ = load_model(model_dir, torch.float32, "cpu")  # auto: the dequantized copy
     assert not any(isinstance(m, Q.QuantLinear) for m in model.modules())
     assert "serving model.gguf dequantized" in caplog.text and "Q5_K" in caplog.text
+
+
+def test_int8_activations_serve_quantized_weights_only(lib, tiny_model_dir, tmp_path, caplog):
+    source = tiny_model_dir("llama-gqa")
+    with pytest.raises(ValueError, match="--int8-activations multiplies quantized weights"):
+        LLM(source, dtype="float32", int8_activations=True)
+    model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=True, types=MIXED)
+    prompts = sample_prompts(source, n=3, lengths=(1, 17, 50))
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        with LLM(model_dir, dtype="float32", int8_activations=True, enable_prefix_caching=False) as llm:
+            linears = [m for m in llm.runner.model.modules() if isinstance(m, Q.QuantLinear)]
+            assert linears and all(m.int8_activations for m in linears)
+            tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                ignore_eos=True))]
+    assert all(len(t) == 8 for t in tokens)
+    assert any("activations rounded to int8 per block of 32" in r.getMessage() for r in caplog.records)
 
 
 def test_quantization_needs_cpu_and_one_rank(tiny_model_dir):

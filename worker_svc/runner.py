@@ -82,10 +82,11 @@ class RunnerConfig:
     launch_ahead: str = default_of("launch_ahead")  # auto: on CUDA with one rank
     quantization: str = default_of("quantization")  # CPU: int8 linears for a dense checkpoint
     gguf_weights: str = default_of("gguf_weights")  # CPU: a GGUF's own blocks, or its dequantized copy
+    int8_activations: bool = default_of("int8_activations")  # CPU: quantized linears multiply int8 activations
 
     def __post_init__(self) -> None:
         check_all(self, ("block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "cuda_graph_max_batch",
-                         "deterministic", "launch_ahead", "quantization", "gguf_weights"))
+                         "deterministic", "launch_ahead", "quantization", "gguf_weights", "int8_activations"))
         check_dtype_setting(self.dtype)
 
     @classmethod
@@ -97,6 +98,7 @@ class RunnerConfig:
             cuda_graph_max_batch=settings.cuda_graph_max_batch, deterministic=settings.deterministic,
             launch_ahead=settings.launch_ahead,
             quantization=settings.quantization, gguf_weights=settings.gguf_weights,
+            int8_activations=settings.int8_activations,
         )
 
 
@@ -181,6 +183,8 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.tp = tp
         self.device = resolve_device(config.device)
+        if config.int8_activations and self.device.type != "cpu":
+            raise ValueError(f"--int8-activations runs on CPU (here: {self.device})")
         choice = resolve_dtype(config.dtype, self.device, ModelConfig.from_pretrained(self.model_dir).checkpoint_dtype)
         self.dtype = choice.dtype
         if config.dtype == AUTO:
@@ -190,7 +194,8 @@ class ModelRunner:
                                                    quantization=config.quantization, gguf_weights=config.gguf_weights)
         if self.device.type == "cpu":
             # the CPU kernels that fit (worker_svc.cpu)
-            prepare_model(self.model, self.dtype, deterministic=config.deterministic)
+            prepare_model(self.model, self.dtype, deterministic=config.deterministic,
+                          int8_activations=config.int8_activations)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         # this rank's KV heads; every rank holds the same block ids, each for its own heads

@@ -155,7 +155,9 @@ class QuantDecode:
         self.element = torch.empty((), dtype=dtype).element_size()
         first = model.model.layers[0]
         lib = first.self_attn.qkv_proj.lib
-        self._fns = _Fns(_address(lib._linear_bf16 if dtype == torch.bfloat16 else lib._linear),
+        linear = (lib._linear_bf16 if dtype == torch.bfloat16 else
+                  lib._linear_i8 if first.self_attn.qkv_proj.int8_activations else lib._linear)
+        self._fns = _Fns(_address(linear),
                          _address(fused._rms_norm[dtype]), _address(fused._silu_mul[dtype]),
                          _address(fused._rotary[dtype]), _address(attention.function(dtype, dtype)),
                          _address(attention.kv_write))
@@ -193,7 +195,8 @@ class QuantDecode:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if type(layer) is not type(first) or type(attn).heads is not LlamaAttention.heads:
                 return None  # per-head norms (Qwen3) or another layer
-            if not all(type(m) is QuantLinear and m.lib is not None and m.compute_dtype == dtype for m in linears):
+            if not all(type(m) is QuantLinear and m.lib is not None and m.compute_dtype == dtype
+                       and m.int8_activations == first.self_attn.qkv_proj.int8_activations for m in linears):
                 return None
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             kernels = {id(n.cpu_kernels) for n in norms} | {id(mlp.act_fn.cpu_kernels), id(attn.rotary_kernels)}

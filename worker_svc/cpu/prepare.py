@@ -4,7 +4,8 @@ What runs where depends on the model's dtype and on the CPU (``features``):
 
 - a model with quantized linears (GGUF blocks, ``--quantization int8``: ``quantized``) computes in
   bf16 for a bf16 model on a CPU with AVX-512 BF16 (the kernel's bf16 dot products), else in fp32;
-  its KV cache in the model's dtype;
+  its KV cache in the model's dtype; with ``int8_activations`` in fp32, its linears multiplying
+  activations rounded to int8 (only quantized linears have that path);
 - a bf16 model on a CPU without native bf16 keeps bf16 weights and cache and computes in fp32
   (``bf16_linear``); otherwise the linear weights are packed for the C kernel or oneDNN
   (``linear``);
@@ -34,14 +35,18 @@ from worker_svc.cpu.quantized import compute_quantized_model, is_quantized
 log = logging.getLogger("pagewire.worker")
 
 
-def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool = False) -> None:
+def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool = False,
+                  int8_activations: bool = False) -> None:
     """Switch ``model``, loaded on CPU in ``dtype`` (also its KV cache's), to the CPU kernels that
     fit this CPU, and register the C attention kernel with ``kvcache.paged`` (for every chunk with
-    ``deterministic``)."""
+    ``deterministic``). ``int8_activations``: a ValueError unless the model has quantized linears."""
     compute_dtype = dtype
     cpu = features.cpu_info()
+    if int8_activations and not is_quantized(model):
+        raise ValueError("--int8-activations multiplies quantized weights: serve a GGUF file's Q4_0, Q4_1 or Q8_0 "
+                         "blocks or add --quantization int8 (this model's linears are dense)")
     if is_quantized(model):
-        compute_dtype, linears = compute_quantized_model(model, dtype)
+        compute_dtype, linears = compute_quantized_model(model, dtype, int8_activations=int8_activations)
     elif dtype == torch.bfloat16 and not cpu.native_bf16:
         compute_dtype = torch.float32
         linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(model)

@@ -39,7 +39,7 @@ from worker_svc.cpu import build
 log = logging.getLogger("pagewire.worker")
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "quant.c"
-_ABI = 2
+_ABI = 3
 GROUP = 32  # output columns of a packed group (csrc/quant.c)
 QK = 32  # weights of a block
 
@@ -169,6 +169,11 @@ class QuantKernel:
         self._linear_bf16.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
         # bf16 activations on AVX-512 BF16 dot products (else a portable loop, for tests)
         self.bf16_simd = bool(lib.quant_bf16_simd())
+        self._linear_i8 = lib.quant_linear_i8
+        self._linear_i8.restype = None
+        self._linear_i8.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
+        # int8 activations on AVX2 integer products (else a portable loop computing the same bits)
+        self.i8_simd = bool(lib.quant_i8_simd())
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,6 +209,25 @@ class QuantKernel:
             self._linear_bf16(btype.id, x.data_ptr(), x.stride(0), packed.data_ptr(),
                               None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), m,
                               out_features, k)
+        return out
+
+    def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
+                  bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`linear`, with each row of x quantized to int8 per block of 32 inputs and multiplied
+        in integers (``--int8-activations``; csrc/quant.c says how)."""
+        m, k = x.shape
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"the quantized CPU linear takes float32 CPU inputs, got {x.dtype} on {x.device}")
+        if k % QK or packed.numel() != padded_columns(out_features) * k // QK * btype.block_bytes:
+            raise ValueError(f"input [{m}, {k}] does not fit a packed {btype.name} weight of {out_features} outputs")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if out is None:
+            out = torch.empty((m, out_features), dtype=torch.float32)
+        if m:
+            self._linear_i8(btype.id, x.data_ptr(), x.stride(0), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), m, out_features,
+                            k)
         return out
 
     def rows(self, packed: torch.Tensor, btype: BlockType, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -267,6 +291,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         self.lib = kernel()
         self.compute_dtype = torch.float32
+        # fp32 inputs rounded to int8 per block and multiplied in integers (--int8-activations)
+        self.int8_activations = False
 
     def parts(self) -> list[QuantPart]:
         """The packed parts, side by side along the outputs."""
@@ -284,7 +310,8 @@ class QuantLinear(nn.Module):
         if self.lib is None:
             return F.linear(x.float(), self.dequantized(), self.bias)
         x = x.to(self.compute_dtype)
-        linear = self.lib.linear_bf16 if self.compute_dtype == torch.bfloat16 else self.lib.linear
+        linear = (self.lib.linear_bf16 if self.compute_dtype == torch.bfloat16 else
+                  self.lib.linear_i8 if self.int8_activations else self.lib.linear)
         parts = self.parts()
         if len(parts) == 1:
             return linear(x, parts[0].packed, parts[0].btype, self.out_features, self.bias)
@@ -299,7 +326,7 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight={'+'.join(t.name for t in self.types)}, "
-                f"compute={'bf16 dot products' if self.compute_dtype == torch.bfloat16 else 'fp32'}")
+                f"compute={'bf16 dot products' if self.compute_dtype == torch.bfloat16 else 'int8 activations' if self.int8_activations else 'fp32'}")
 
 
 class QuantEmbedding(nn.Module):
@@ -398,19 +425,31 @@ def bf16_kernel_available() -> bool:
     return lib is not None and lib.bf16_simd and "avx512_bf16" in cpu_info().flags
 
 
-def compute_quantized_model(model: nn.Module, dtype: torch.dtype) -> tuple[torch.dtype, str]:
+def compute_quantized_model(model: nn.Module, dtype: torch.dtype, *,
+                            int8_activations: bool = False) -> tuple[torch.dtype, str]:
     """Make a model with quantized linears compute in ``dtype`` where the kernel multiplies it:
     bf16 where :func:`bf16_kernel_available` (every quantized linear, the embedding lookup and the
     head take and return bf16; the other parameters stay as loaded, in bf16, as in the dense bf16
     model), else fp32, as its dequantized fp32 copy does: every other parameter and floating buffer
     becomes fp32 (norms, dense linears and tables), rotary tables are recomputed in fp32. The KV
-    cache keeps ``dtype`` either way. Returns the dtype it computes in and, for the log, what the
-    linears run on."""
+    cache keeps ``dtype`` either way. ``int8_activations``: fp32, every quantized linear multiplying
+    its inputs rounded to int8 (:meth:`QuantKernel.linear_i8`). Returns the dtype it computes in
+    and, for the log, what the linears run on."""
     from worker_svc.cpu.bf16_linear import rest_in_fp32
     from worker_svc.cpu.features import cpu_info
 
     types = sorted({t.name for m in model.modules() if isinstance(m, QuantLinear) for t in m.types})
     lib, isa = kernel(), cpu_info().isa
+    if int8_activations:
+        if lib is None:
+            raise ValueError("--int8-activations needs the C kernel, which could not be built here (no C compiler?)")
+        rest_in_fp32(model, keep=(QuantLinear, QuantEmbedding))
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.int8_activations = True
+        where = f"AVX2 integer products, {isa}" if lib.i8_simd else "portable build"
+        return torch.float32, (f"quantized {'/'.join(types)} weights, activations rounded to int8 per block of 32 "
+                               f"(--int8-activations; C kernel, {where})")
     if dtype == torch.bfloat16 and bf16_kernel_available():
         for module in model.modules():
             if isinstance(module, QuantLinear):

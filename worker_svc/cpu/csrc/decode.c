@@ -25,7 +25,7 @@ typedef int (*kv_write_fn)(char *, int64_t, int64_t, const char *, int64_t, cons
                            int64_t);
 
 struct decode_fns {
-    linear_fn linear; /* quant_linear or quant_linear_bf16 */
+    linear_fn linear; /* quant_linear, quant_linear_i8 or quant_linear_bf16 */
     rms_norm_fn rms_norm;
     silu_mul_fn silu_mul;
     rotary_fn rotary;

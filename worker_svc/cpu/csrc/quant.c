@@ -709,6 +709,336 @@ void quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *pac
 #endif
 }
 
+/* ---- int8 activations (--int8-activations): x quantized per row and block, integer products ----
+ *
+ * Each row of x is quantized per block of 32 inputs as llama.cpp quantizes activations (its q8_0):
+ * dx = max |x| / 127, xq = round(x / dx) in -127..127, and the block's sum sx = dx * sum(xq). An
+ * output is then, block by block in order along k,
+ *   acc = fma(I, d * dx, acc), then (Q4_0, Q4_1) acc = fma(m, sx, acc)
+ * where I = sum q xq is exact in int32, q the block's quants (Q4: unsigned 0..15, Q8_0: signed), d
+ * its scale and m its offset (Q4_1: m; Q4_0: -8 d, as w = (q - 8) d). This is not the dequantized
+ * model's arithmetic (the activations lose bits), so it is a setting of its own; the portable loop
+ * and the AVX2 path compute the same bits, and a row's result does not depend on its batch.
+ *
+ * AVX2: a group's tiles are unpacked I8_SLICE blocks at a time into a per-thread buffer in which
+ * each 32-bit lane holds 4 consecutive k of one column (vpunpck of the low and high nibbles, or of
+ * 4 Q8_0 rows), 8 columns a vector: vector v of a quad holds columns {4v..4v+3, 16+4v..16+4v+3}
+ * (i8_column), and the scales are laid out alike. A row broadcasts its 4 int8 of a quad and
+ * vpmaddubsw multiplies them with the unsigned quants: 32 products an instruction. The 4-bit
+ * products sum in int16 over a block (8 quads: at most 8 * 2 * 15 * 127 = 30,480), then vpmaddwd
+ * widens them to int32; Q8_0 takes vpsignb's trick (|q| times xq with q's sign; pairs at most
+ * 2 * 128 * 127) and widens every quad. */
+#define I8_SLICE 4 /* blocks per unpacked slice of a group */
+
+static inline int i8_column(int v, int l) { return (l < 4 ? 4 * v : 12 + 4 * v) + l; }
+
+/* Rows [r0, r1) of x [.., k] -> xq (rows k apart), and per block dx and sx (rows nb apart). */
+static void quantize_rows_i8(const float *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t k, int8_t *xq,
+                             float *dx, float *sx) {
+    const int64_t nb = k / QK;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *p = x + r * x_stride + b * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) {
+                const float a = __builtin_fabsf(p[i]);
+                amax = a > amax ? a : amax;
+            }
+            /* volatile: -freciprocal-math would let 1 / (amax / 127) become 127 / amax, another rounding */
+            const volatile float d = amax * (1.0f / 127.0f);
+            const float id = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *q = xq + r * k + b * QK;
+            int sum = 0;
+            for (int i = 0; i < QK; i++) {
+                float v = __builtin_nearbyintf(p[i] * id);
+                v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v; /* x / dx may round past 127; NaN: 0 below */
+                const int qi = v == v ? (int)v : 0;
+                q[i] = (int8_t)qi;
+                sum += qi;
+            }
+            dx[r * nb + b] = d;
+            sx[r * nb + b] = d * (float)sum;
+        }
+}
+
+/* Quant of column j at k index kk of one tile: Q4 unsigned 0..15, Q8_0 signed. */
+static inline int tile_quant(int type, const uint8_t *tile, int j, int kk) {
+    const uint8_t *qs = tile + quants_offset(type);
+    if (type == Q8_0) return (int8_t)qs[kk * GROUP + j];
+    const uint8_t byte = qs[(kk / 2) * GROUP + j];
+    return kk & 1 ? byte >> 4 : byte & 15;
+}
+
+/* Column j's offset term coefficient of one tile: Q4_1 m, Q4_0 -8 d, Q8_0 none. */
+static inline float tile_offset(int type, const uint8_t *tile, int j) {
+    const uint16_t *h = (const uint16_t *)tile;
+    return type == Q4_1 ? half_to_float(h[GROUP + j]) : type == Q4_0 ? -8.0f * half_to_float(h[j]) : 0.0f;
+}
+
+static void linear_i8_portable(int type, const float *bias, const uint8_t *packed, float *y, int64_t y_stride,
+                               int64_t m, int64_t n, int64_t k, const int8_t *xq, const float *dx, const float *sx) {
+    const int64_t nb = k / QK, tb = tile_bytes(type), groups = (n + GROUP - 1) / GROUP;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int j = 0; j < GROUP && g * GROUP + j < n; j++)
+            for (int64_t r = 0; r < m; r++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *tile = packed + (g * nb + b) * tb;
+                    const int8_t *q = xq + r * k + b * QK;
+                    int32_t sum = 0;
+                    for (int kk = 0; kk < QK; kk++) sum += tile_quant(type, tile, j, kk) * q[kk];
+                    const float s = half_to_float(((const uint16_t *)tile)[j]) * dx[r * nb + b];
+                    acc = __builtin_fmaf((float)sum, s, acc);
+                    if (type != Q8_0) acc = __builtin_fmaf(tile_offset(type, tile, j), sx[r * nb + b], acc);
+                }
+                y[r * y_stride + g * GROUP + j] = bias ? acc + bias[g * GROUP + j] : acc;
+            }
+}
+
+#if SIMD && defined(__AVX2__)
+#define HAVE_I8 1
+/* One slice of a group's tiles (nbs blocks) -> buf: per block its quants (Q4: 8 quads x 4 vectors;
+ * Q8_0: |q| then q, 8 x 8 vectors) and then its scales d[32] and offsets m[32] in lane order. */
+static inline __attribute__((always_inline)) void i8_unpack(const int type, const uint8_t *tiles, int64_t nbs,
+                                                            __m256i *buf) {
+    const int64_t tb = tile_bytes(type);
+    const int per_block = (type == Q8_0 ? 64 : 32) + 2 * GROUP / 8; /* vectors: quants, then 8 of scales */
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nbs; b++) {
+        const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
+        __m256i *out = buf + b * per_block;
+        for (int quad = 0; quad < 8; quad++) {
+            __m256i r[4];
+            if (type == Q8_0) {
+                for (int i = 0; i < 4; i++) r[i] = _mm256_loadu_si256((const __m256i *)(qs + (4 * quad + i) * GROUP));
+            } else {
+                const __m256i t0 = _mm256_loadu_si256((const __m256i *)(qs + 2 * quad * GROUP));
+                const __m256i t1 = _mm256_loadu_si256((const __m256i *)(qs + (2 * quad + 1) * GROUP));
+                r[0] = _mm256_and_si256(t0, low);
+                r[1] = _mm256_and_si256(_mm256_srli_epi16(t0, 4), low);
+                r[2] = _mm256_and_si256(t1, low);
+                r[3] = _mm256_and_si256(_mm256_srli_epi16(t1, 4), low);
+            }
+            const __m256i a = _mm256_unpacklo_epi8(r[0], r[1]), bb = _mm256_unpackhi_epi8(r[0], r[1]);
+            const __m256i c = _mm256_unpacklo_epi8(r[2], r[3]), d = _mm256_unpackhi_epi8(r[2], r[3]);
+            const __m256i w[4] = {_mm256_unpacklo_epi16(a, c), _mm256_unpackhi_epi16(a, c),
+                                  _mm256_unpacklo_epi16(bb, d), _mm256_unpackhi_epi16(bb, d)};
+            for (int v = 0; v < 4; v++) {
+                if (type == Q8_0) {
+                    _mm256_store_si256(out + quad * 8 + v, _mm256_abs_epi8(w[v]));
+                    _mm256_store_si256(out + quad * 8 + 4 + v, w[v]);
+                } else {
+                    _mm256_store_si256(out + quad * 4 + v, w[v]);
+                }
+            }
+        }
+        /* scales, then offsets: halves 0..7, 8..15, 16..23, 24..31 -> lanes {0..3, 16..19}, {4..7, 20..23}, ... */
+        float *scales = (float *)(out + (type == Q8_0 ? 64 : 32));
+        __m256 d[4], o[4];
+        for (int i = 0; i < 4; i++) {
+            d[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16 * i)));
+            o[i] = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 2 * GROUP + 16 * i)))
+                                : _mm256_mul_ps(d[i], _mm256_set1_ps(-8.0f));
+        }
+        for (int part = 0; part < (type == Q8_0 ? 1 : 2); part++) {
+            const __m256 *s = part ? o : d;
+            _mm256_store_ps(scales + part * GROUP + 0, _mm256_permute2f128_ps(s[0], s[2], 0x20));
+            _mm256_store_ps(scales + part * GROUP + 8, _mm256_permute2f128_ps(s[0], s[2], 0x31));
+            _mm256_store_ps(scales + part * GROUP + 16, _mm256_permute2f128_ps(s[1], s[3], 0x20));
+            _mm256_store_ps(scales + part * GROUP + 24, _mm256_permute2f128_ps(s[1], s[3], 0x31));
+        }
+    }
+}
+
+/* Rows [r, r + R) times an unpacked slice of nbs blocks starting at block b0 (R = 1 or 2: two rows
+ * share each weight vector's load), the fp32 sums in sums [R][32] (lane order), starting from zero
+ * (first) or from what they hold. */
+static inline __attribute__((always_inline)) void i8_row_block(const int type, const int R, const __m256i *buf,
+                                                               int64_t nbs, int64_t b0, int64_t nb, int64_t k,
+                                                               const int8_t *xq, const float *dx, const float *sx,
+                                                               int64_t r, float *sums, int first) {
+    const int per_block = (type == Q8_0 ? 64 : 32) + 2 * GROUP / 8;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nbs; b++) {
+        const __m256i *w = buf + b * per_block;
+        __m256i s[2][4];
+        for (int i = 0; i < R; i++)
+            for (int v = 0; v < 4; v++) s[i][v] = _mm256_setzero_si256();
+        for (int quad = 0; quad < 8; quad++) {
+            __m256i xb[2];
+            for (int i = 0; i < R; i++) {
+                int32_t four;
+                memcpy(&four, xq + (r + i) * k + (b0 + b) * QK + 4 * quad, 4);
+                xb[i] = _mm256_set1_epi32(four);
+            }
+            for (int v = 0; v < 4; v++) {
+                if (type == Q8_0) {
+                    const __m256i aw = _mm256_load_si256(w + quad * 8 + v), sw = _mm256_load_si256(w + quad * 8 + 4 + v);
+                    for (int i = 0; i < R; i++)
+                        s[i][v] = _mm256_add_epi32(
+                            s[i][v], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb[i], sw)), ones));
+                } else {
+                    const __m256i wv = _mm256_load_si256(w + quad * 4 + v);
+                    for (int i = 0; i < R; i++) s[i][v] = _mm256_add_epi16(s[i][v], _mm256_maddubs_epi16(wv, xb[i]));
+                }
+                /* keep the sums in registers quad by quad: integer adds may be reassociated, and gcc
+                 * otherwise sums a block's products as a tree, spilling most of them */
+                for (int i = 0; i < R; i++) __asm__("" : "+x"(s[i][v]));
+            }
+        }
+        const float *scales = (const float *)(w + (type == Q8_0 ? 64 : 32));
+        for (int i = 0; i < R; i++) {
+            const int64_t at = (r + i) * nb + b0 + b;
+            const __m256 bdx = _mm256_set1_ps(dx[at]), bsx = _mm256_set1_ps(sx[at]);
+            for (int v = 0; v < 4; v++) {
+                const __m256i i32 = type == Q8_0 ? s[i][v] : _mm256_madd_epi16(s[i][v], ones);
+                const __m256 sc = _mm256_mul_ps(_mm256_load_ps(scales + 8 * v), bdx);
+                float *sum = sums + i * GROUP + 8 * v;
+                __m256 acc = first && b == 0 ? _mm256_setzero_ps() : _mm256_load_ps(sum);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), sc, acc);
+                if (type != Q8_0) acc = _mm256_fmadd_ps(_mm256_load_ps(scales + GROUP + 8 * v), bsx, acc);
+                _mm256_store_ps(sum, acc);
+            }
+        }
+    }
+}
+
+/* Rows [r0, r1) times an unpacked slice (i8_row_block); after the last slice, their sums (partial,
+ * lane order) plus the bias into y's columns [col, col + cols). */
+static inline __attribute__((always_inline)) void i8_rows(const int type, const __m256i *buf, int64_t nbs,
+                                                          int64_t b0, int64_t nb, int64_t k, const int8_t *xq,
+                                                          const float *dx, const float *sx, int64_t r0, int64_t r1,
+                                                          float *partial, int first, int last, float *y,
+                                                          int64_t y_stride, const float *bias, int64_t col,
+                                                          int64_t cols) {
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2)
+        i8_row_block(type, 2, buf, nbs, b0, nb, k, xq, dx, sx, r, partial + (r - r0) * GROUP, first);
+    if (r < r1) i8_row_block(type, 1, buf, nbs, b0, nb, k, xq, dx, sx, r, partial + (r - r0) * GROUP, first);
+    if (!last) return;
+    for (r = r0; r < r1; r++) {
+        const float *lanes = partial + (r - r0) * GROUP;
+        float *dst = y + r * y_stride + col;
+        for (int v = 0; v < 4; v++)
+            for (int l = 0; l < 8; l++) {
+                const int j = i8_column(v, l);
+                if (j < cols) dst[j] = bias ? lanes[8 * v + l] + bias[col + j] : lanes[8 * v + l];
+            }
+    }
+}
+
+static void i8_group(int type, const uint8_t *tiles, int64_t nb, int64_t k, const int8_t *xq, const float *dx,
+                     const float *sx, int64_t r0, int64_t r1, __m256i *buf, float *partial, float *y, int64_t y_stride,
+                     const float *bias, int64_t col, int64_t cols) {
+    const int64_t tb = tile_bytes(type);
+    for (int64_t b0 = 0; b0 < nb; b0 += I8_SLICE) {
+        const int64_t nbs = nb - b0 < I8_SLICE ? nb - b0 : I8_SLICE;
+        const int first = b0 == 0, last = b0 + nbs >= nb;
+        switch (type) {
+        case Q4_0:
+            i8_unpack(Q4_0, tiles + b0 * tb, nbs, buf);
+            i8_rows(Q4_0, buf, nbs, b0, nb, k, xq, dx, sx, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
+            break;
+        case Q4_1:
+            i8_unpack(Q4_1, tiles + b0 * tb, nbs, buf);
+            i8_rows(Q4_1, buf, nbs, b0, nb, k, xq, dx, sx, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
+            break;
+        default:
+            i8_unpack(Q8_0, tiles + b0 * tb, nbs, buf);
+            i8_rows(Q8_0, buf, nbs, b0, nb, k, xq, dx, sx, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
+            break;
+        }
+    }
+}
+
+static __thread void *i8_thread_buf; /* each OpenMP thread's slice and sums */
+static __thread int64_t i8_thread_bytes;
+
+static void *i8_buffer(int64_t bytes) {
+    if (i8_thread_bytes < bytes) {
+        free(i8_thread_buf);
+        i8_thread_buf = aligned_alloc(64, (size_t)bytes);
+        i8_thread_bytes = i8_thread_buf ? bytes : 0;
+    }
+    return i8_thread_buf;
+}
+#else
+#define HAVE_I8 0
+#endif
+
+/* 1 when quant_linear_i8 runs on AVX2 integer products, 0 for its portable loop. */
+int quant_i8_simd(void) { return HAVE_I8; }
+
+/* m rows, their quantized copies in xq [m * k] and xscales [2 * m * k / 32] (dx, then sx). */
+static void linear_i8_rows(int type, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias,
+                           float *y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int8_t *xq, float *xscales) {
+    const int64_t nb = k / QK, groups = (n + GROUP - 1) / GROUP;
+    float *dx = xscales, *sx = xscales + m * nb;
+#if HAVE_I8
+    const int64_t group_bytes = nb * tile_bytes(type);
+    int64_t max_rows = CHUNK_BYTES / (k > 0 ? k : 1);
+    if (max_rows < 8) max_rows = 8;
+    const int64_t num_chunks = (m + max_rows - 1) / max_rows, chunk = (m + num_chunks - 1) / num_chunks;
+    const int64_t slice_bytes = I8_SLICE * ((type == Q8_0 ? 64 : 32) + 2 * GROUP / 8) * 32;
+    int ok = 1;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quantize_rows_i8(x, x_stride, r, r + 1, k, xq, dx, sx);
+        __m256i *buf = i8_buffer(slice_bytes + chunk * GROUP * (int64_t)sizeof(float));
+        if (!buf) {
+            #pragma omp atomic write
+            ok = 0;
+        }
+        #pragma omp barrier
+        if (ok) {
+            float *partial = (float *)((uint8_t *)buf + slice_bytes);
+            for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+                const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+                #pragma omp for schedule(static) nowait
+                for (int64_t g = 0; g < groups; g++) {
+                    const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
+                    i8_group(type, packed + g * group_bytes, nb, k, xq, dx, sx, m0, m1, buf, partial, y, y_stride,
+                             bias, col, cols);
+                }
+            }
+        }
+    }
+    if (ok) return;
+#else
+    quantize_rows_i8(x, x_stride, 0, m, k, xq, dx, sx);
+#endif
+    linear_i8_portable(type, bias, packed, y, y_stride, m, n, k, xq, dx, sx);
+}
+
+static __thread void *i8_scratch; /* the calling thread's: its OpenMP team reads it */
+static __thread int64_t i8_scratch_bytes;
+
+/* As quant_linear, with each row of x quantized to int8 per block of 32 inputs and multiplied in
+ * integers (above). The quantized rows go into a scratch buffer of the calling thread's; where
+ * that cannot grow, rows go one at a time through the stack. */
+void quant_linear_i8(int type, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
+                     int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    if (m <= 0 || n <= 0) return;
+    const int64_t nb = k / QK, need = (2 * m * nb * (int64_t)sizeof(float) + m * k + 63) / 64 * 64;
+    if (i8_scratch_bytes < need) {
+        free(i8_scratch);
+        i8_scratch = aligned_alloc(64, (size_t)need);
+        i8_scratch_bytes = i8_scratch ? need : 0;
+    }
+    if (i8_scratch) {
+        float *scales = i8_scratch;
+        linear_i8_rows(type, x, x_stride, packed, bias, y, y_stride, m, n, k, (int8_t *)(scales + 2 * m * nb), scales);
+        return;
+    }
+    for (int64_t r = 0; r < m; r++) {
+        int8_t xq[k];
+        float scales[2 * nb];
+        linear_i8_rows(type, x + r * x_stride, x_stride, packed, bias, y + r * y_stride, y_stride, 1, n, k, xq, scales);
+    }
+}
+
 /* GGUF blocks of W [n, k] (row-major, k / 32 blocks of block_bytes per row) -> the packed layout
  * above, with zero columns past n up to a multiple of 32. */
 void quant_pack(int type, const uint8_t *blocks, int64_t n, int64_t k, uint8_t *out) {
@@ -757,4 +1087,4 @@ void quant_rows(int type, const uint8_t *packed, const int64_t *ids, int64_t cou
 int quant_simd(void) { return SIMD; }
 
 /* The ABI version worker_svc/cpu/quantized.py expects; bump it when a signature changes. */
-int pagewire_cpu_quant_abi(void) { return 2; }
+int pagewire_cpu_quant_abi(void) { return 3; }
