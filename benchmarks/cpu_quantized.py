@@ -1,10 +1,11 @@
-"""Quantized weights on CPU (worker_svc/cpu/quantized.py) against bf16 and fp32, three measurements:
+"""Quantized weights on CPU (worker_svc/cpu/quantized.py) against bf16 and fp32, four measurements:
 
   * a model pass through SmolLM2-135M's linears (4 per layer x 30 layers and the head, each with
     weights of its own, far past the caches) at 1 row (one stream's decode step) and more: Q4_1
     linears with a Q8_0 head (the embedded file's types) and all Q8_0 (``--quantization int8``),
-    each with fp32 activations and (where the CPU has AVX-512 BF16) bf16 ones, the dense kernel's
-    bf16 pairs (there too) and fp32 packed for oneDNN; µs and the GB/s of weights read;
+    each with fp32 activations, activations rounded to int8 (``--int8-activations``) and (where
+    the CPU has AVX-512 BF16) bf16 ones, the dense kernel's bf16 pairs (there too) and fp32 packed
+    for oneDNN; µs and the GB/s of weights read;
   * offline one-stream decode of the embedded model, ``pagewire.LLM``, one prompt, 128 greedy new
     tokens: served from its GGUF blocks (``--dtype auto``, and fp32) against its dequantized copy
     in bf16 and fp32, in alternating rounds; tok/s of the whole ``generate`` (its 6-token prefill
@@ -12,10 +13,10 @@
   * offline throughput at 32 streams (32 distinct prompts x 64 greedy new tokens, one
     ``generate``), the same servings alternated (the dequantized fp32 one left out): many rows per
     step, where the kernel's arithmetic (bf16 dot products or fp32 FMAs) decides;
-  * greedy agreement on SmolLM2: the quantized model (fp32, and ``--dtype auto``) and the
-    dequantized bf16 model against the dequantized fp32 model over a few prompts, and the quantized
-    ``--dtype auto`` model against the dequantized bf16 one: the share of identical tokens position
-    by position, and where each prompt first differs.
+  * greedy agreement on SmolLM2: the quantized model (fp32, ``--dtype auto`` and
+    ``--int8-activations``) and the dequantized bf16 model against the dequantized fp32 model over
+    a few prompts, and the quantized ``--dtype auto`` model against the dequantized bf16 one: the
+    share of identical tokens position by position, and where each prompt first differs.
 
     python benchmarks/cpu_quantized.py --threads 1 --json docs/bench/cpu-quantized-avx512-zen5-1thread.json
 
@@ -47,6 +48,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, 
 HEAD = (49152, 576)
 SERVINGS = {"quantized (GGUF blocks, --dtype auto)": {},
             "quantized fp32": {"gguf_weights": "quantized", "dtype": "float32"},
+            "quantized, --int8-activations": {"gguf_weights": "quantized", "int8_activations": True},
             "dequantized bf16": {"gguf_weights": "dequantize", "dtype": "bfloat16"},
             "dequantized fp32": {"gguf_weights": "dequantize", "dtype": "float32"}}
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
@@ -76,6 +78,8 @@ def linear_pass(rows: int, repeats: int) -> dict:
             mats.append((Q.pack_blocks(blocks, btype, n, k), btype, n, k))
         nbytes = sum(p.numel() for p, *_ in mats)
         cases[f"{name} fp32"] = (lambda mats=mats: [lib.linear(xs[k], p, t, n, None) for p, t, n, k in mats], nbytes)
+        cases[f"{name} int8 act."] = (lambda mats=mats: [lib.linear_i8(xs[k], p, t, n, None) for p, t, n, k in mats],
+                                      nbytes)
         if native_bf16:
             cases[f"{name} bf16"] = (lambda mats=mats: [lib.linear_bf16(xb[k], p, t, n, None) for p, t, n, k in mats],
                                      nbytes)
@@ -148,6 +152,7 @@ def agreement(new_tokens: int) -> dict:
     for name, kw in (("fp32 dequantized", {"gguf_weights": "dequantize", "dtype": "float32"}),
                      ("quantized fp32", {"gguf_weights": "quantized", "dtype": "float32"}),
                      ("quantized, --dtype auto", {"gguf_weights": "quantized"}),
+                     ("quantized, --int8-activations", {"gguf_weights": "quantized", "int8_activations": True}),
                      ("dequantized bf16", {"gguf_weights": "dequantize", "dtype": "bfloat16"})):
         with LLM(**kw) as llm:
             outputs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]

@@ -178,6 +178,17 @@ class QuantKernel:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N] fp32 (into ``out``, a view with contiguous rows, when given)."""
+        return self._fp32_call(self._linear, x, packed, btype, out_features, bias, out)
+
+    def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
+                  bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`linear`, with each row of x rounded to int8 per block of 32 inputs and multiplied
+        in integers (``--int8-activations``; csrc/quant.c says how)."""
+        return self._fp32_call(self._linear_i8, x, packed, btype, out_features, bias, out)
+
+    @staticmethod
+    def _fp32_call(fn, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
+                   bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
         m, k = x.shape
         if x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"the quantized CPU linear takes float32 CPU inputs, got {x.dtype} on {x.device}")
@@ -188,8 +199,8 @@ class QuantKernel:
         if out is None:
             out = torch.empty((m, out_features), dtype=torch.float32)
         if m:
-            self._linear(btype.id, x.data_ptr(), x.stride(0), packed.data_ptr(),
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), m, out_features, k)
+            fn(btype.id, x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+               out.data_ptr(), out.stride(0), m, out_features, k)
         return out
 
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
@@ -209,25 +220,6 @@ class QuantKernel:
             self._linear_bf16(btype.id, x.data_ptr(), x.stride(0), packed.data_ptr(),
                               None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), m,
                               out_features, k)
-        return out
-
-    def linear_i8(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
-                  bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """As :meth:`linear`, with each row of x quantized to int8 per block of 32 inputs and multiplied
-        in integers (``--int8-activations``; csrc/quant.c says how)."""
-        m, k = x.shape
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError(f"the quantized CPU linear takes float32 CPU inputs, got {x.dtype} on {x.device}")
-        if k % QK or packed.numel() != padded_columns(out_features) * k // QK * btype.block_bytes:
-            raise ValueError(f"input [{m}, {k}] does not fit a packed {btype.name} weight of {out_features} outputs")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        if out is None:
-            out = torch.empty((m, out_features), dtype=torch.float32)
-        if m:
-            self._linear_i8(btype.id, x.data_ptr(), x.stride(0), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), m, out_features,
-                            k)
         return out
 
     def rows(self, packed: torch.Tensor, btype: BlockType, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:

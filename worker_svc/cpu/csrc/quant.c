@@ -1021,6 +1021,11 @@ static __thread int64_t i8_scratch_bytes;
 void quant_linear_i8(int type, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
                      int64_t y_stride, int64_t m, int64_t n, int64_t k) {
     if (m <= 0 || n <= 0) return;
+    if (k <= 0) { /* no inputs: the bias */
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < n; j++) y[r * y_stride + j] = bias ? bias[j] : 0.0f;
+        return;
+    }
     const int64_t nb = k / QK, need = (2 * m * nb * (int64_t)sizeof(float) + m * k + 63) / 64 * 64;
     if (i8_scratch_bytes < need) {
         free(i8_scratch);
