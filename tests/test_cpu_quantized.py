@@ -63,7 +63,8 @@ def test_every_build_of_the_kernel_gives_the_same_bits(tmp_path):
             outputs = [kernel.linear(x, packed, btype, n, bias) for kernel in kernels]
             for other in outputs[1:]:
                 assert torch.equal(other, outputs[0]), (btype.name, m)
-            # int8 activations: the AVX2 integer products and the portable loop (1 row, pairs of rows, a tail)
+            # int8 activations: AVX-512 VNNI (where the CPU has it), AVX2 and the portable loop (rows in
+            # blocks of 4 or 2 and a tail)
             assert kernels[0].i8_simd and not kernels[1].i8_simd
             outputs = [kernel.linear_i8(x, packed, btype, n, bias) for kernel in kernels]
             for other in outputs[1:]:

@@ -41,6 +41,15 @@ def test_auto_on_cpu_follows_native_bf16_whatever_the_checkpoint(cpu, expected, 
         assert (choice.dtype, choice.reason) == (expected, reason)
 
 
+def test_auto_is_fp32_on_cpu_with_int8_activations():
+    """The model computes in fp32 around its int8 products: a bf16 KV cache would keep the lean
+    CPU pass from serving its steps."""
+    for cpu in (AVX512_BF16, AMX, AVX2):
+        choice = resolve_dtype("auto", CPU, "bfloat16", cpu=cpu, int8_activations=True)
+        assert choice.dtype == torch.float32 and "--int8-activations" in choice.reason
+    assert resolve_dtype("bfloat16", CPU, None, cpu=AMX, int8_activations=True).dtype == torch.bfloat16  # explicit
+
+
 def test_the_log_line_says_what_and_why():
     choice = resolve_dtype("auto", CPU, "float32", cpu=AVX2)
     assert choice.describe("auto") == "dtype auto -> float32: this CPU has no native bf16 (avx2)"

@@ -7,7 +7,8 @@
   precision, whose weights and KV cache take half the memory and bandwidth. GPUs without bf16
   (before Ampere) get float16 instead of bfloat16.
 - CPU: bfloat16 where the CPU multiplies it natively (``avx512_bf16`` or ``amx_bf16``), else
-  float32, whatever the checkpoint.
+  float32, whatever the checkpoint; float32 with ``--int8-activations``, whose model computes in
+  fp32 around its int8 products.
 
 An explicit dtype always wins. The info the worker reports (``Info``, ``GetModelInfo``) carries
 the resolved dtype, never ``auto``.
@@ -74,12 +75,17 @@ def resolve_dtype(
     *,
     cpu: CpuInfo | None = None,
     cuda_supports_bf16: Callable[[], bool] | None = None,
+    int8_activations: bool = False,
 ) -> DtypeChoice:
     """The dtype the worker runs in for the ``--dtype`` ``setting`` (see the module docstring).
     ``cpu`` (default: this machine's, from /proc/cpuinfo) and ``cuda_supports_bf16`` (default:
-    torch's answer for the current GPU, asked only when needed) are what the choice depends on."""
+    torch's answer for the current GPU, asked only when needed) are what the choice depends on;
+    ``int8_activations`` (CPU): the model computes in fp32 around its int8 products, so ``auto``
+    keeps the KV cache in fp32 too."""
     if setting != AUTO:
         return DtypeChoice(parse_dtype(setting), "explicit")
+    if int8_activations and device.type == "cpu":
+        return DtypeChoice(torch.float32, "--int8-activations computes in fp32 around its int8 products")
     if device.type == "cuda":
         saved = _DTYPES.get(str(checkpoint_dtype).removeprefix("torch.").lower()) if checkpoint_dtype else None
         if saved == torch.float16:

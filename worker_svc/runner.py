@@ -185,7 +185,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         if config.int8_activations and self.device.type != "cpu":
             raise ValueError(f"--int8-activations runs on CPU (here: {self.device})")
-        choice = resolve_dtype(config.dtype, self.device, ModelConfig.from_pretrained(self.model_dir).checkpoint_dtype)
+        choice = resolve_dtype(config.dtype, self.device, ModelConfig.from_pretrained(self.model_dir).checkpoint_dtype,
+                               int8_activations=config.int8_activations)
         self.dtype = choice.dtype
         if config.dtype == AUTO:
             _check_ranks_agree(tp, self.dtype)

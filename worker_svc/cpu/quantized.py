@@ -172,8 +172,9 @@ class QuantKernel:
         self._linear_i8 = lib.quant_linear_i8
         self._linear_i8.restype = None
         self._linear_i8.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
-        # int8 activations on AVX2 integer products (else a portable loop computing the same bits)
-        self.i8_simd = bool(lib.quant_i8_simd())
+        # int8 activations: 2 on AVX-512 VNNI dot products, 1 on AVX2 integer products, 0 for a
+        # portable loop (all three compute the same bits)
+        self.i8_simd = int(lib.quant_i8_simd())
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -439,7 +440,8 @@ def compute_quantized_model(model: nn.Module, dtype: torch.dtype, *,
         for module in model.modules():
             if isinstance(module, QuantLinear):
                 module.int8_activations = True
-        where = f"AVX2 integer products, {isa}" if lib.i8_simd else "portable build"
+        where = {2: f"AVX-512 VNNI dot products, {isa}", 1: f"AVX2 integer products, {isa}"}.get(lib.i8_simd,
+                                                                                                  "portable build")
         return torch.float32, (f"quantized {'/'.join(types)} weights, activations rounded to int8 per block of 32 "
                                f"(--int8-activations; C kernel, {where})")
     if dtype == torch.bfloat16 and bf16_kernel_available():

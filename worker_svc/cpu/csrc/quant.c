@@ -717,25 +717,37 @@ void quant_linear(int type, const float *x, int64_t x_stride, const uint8_t *pac
  *   acc = fma(I, d * dx, acc), then (Q4_0, Q4_1) acc = fma(m, sx, acc)
  * where I = sum q xq is exact in int32, q the block's quants (Q4: unsigned 0..15, Q8_0: signed), d
  * its scale and m its offset (Q4_1: m; Q4_0: -8 d, as w = (q - 8) d). This is not the dequantized
- * model's arithmetic (the activations lose bits), so it is a setting of its own; the portable loop
- * and the AVX2 path compute the same bits, and a row's result does not depend on its batch.
+ * model's arithmetic (the activations lose bits), so it is a setting of its own; the portable loop,
+ * the AVX2 and the AVX-512 VNNI paths compute the same bits (the integer sums are exact in any
+ * order), and a row's result does not depend on its batch.
  *
- * AVX2: a group's tiles are unpacked I8_SLICE blocks at a time into a per-thread buffer in which
+ * Vectors: a group's tiles are unpacked I8_SLICE blocks at a time into a per-thread buffer in which
  * each 32-bit lane holds 4 consecutive k of one column (vpunpck of the low and high nibbles, or of
- * 4 Q8_0 rows), 8 columns a vector: vector v of a quad holds columns {4v..4v+3, 16+4v..16+4v+3}
- * (i8_column), and the scales are laid out alike. A row broadcasts its 4 int8 of a quad and
- * vpmaddubsw multiplies them with the unsigned quants: 32 products an instruction. The 4-bit
- * products sum in int16 over a block (8 quads: at most 8 * 2 * 15 * 127 = 30,480), then vpmaddwd
- * widens them to int32; Q8_0 takes vpsignb's trick (|q| times xq with q's sign; pairs at most
- * 2 * 128 * 127) and widens every quad. */
+ * 4 Q8_0 rows), 8 columns a 256-bit vector: vector v of a quad holds columns {4v..4v+3,
+ * 16+4v..16+4v+3} (i8_column), and the scales are laid out alike (a 512-bit vector is two of them
+ * side by side). A row broadcasts its 4 int8 of a quad.
+ *   AVX2: vpmaddubsw multiplies them with the unsigned quants, 32 products an instruction. The 4-bit
+ *   products sum in int16 over a block (8 quads: at most 8 * 2 * 15 * 127 = 30,480), then vpmaddwd
+ *   widens them to int32; Q8_0 takes vpsignb's trick (|q| times xq with q's sign; pairs at most
+ *   2 * 128 * 127) and widens every quad.
+ *   AVX-512 VNNI: vpdpbusd multiplies and sums into int32, 64 products an instruction; Q8_0's quants
+ *   are stored as q + 128 (unsigned) and 128 sum(xq) is taken off each block's sum. */
 #define I8_SLICE 4 /* blocks per unpacked slice of a group */
 
 static inline int i8_column(int v, int l) { return (l < 4 ? 4 * v : 12 + 4 * v) + l; }
 
-/* Rows [r0, r1) of x [.., k] -> xq (rows k apart), and per block dx and sx (rows nb apart). */
-static void quantize_rows_i8(const float *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t k, int8_t *xq,
-                             float *dx, float *sx) {
-    const int64_t nb = k / QK;
+/* Rows of x quantized per block: q [rows][k], and per block dx, sx and the integer sum of q
+ * ([rows][nb] each). */
+struct i8_rows_of_x {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *sum;
+    int64_t k, nb;
+};
+
+/* Rows [r0, r1) of x (rows x_stride apart) into xs. */
+static void quantize_rows_i8(const float *x, int64_t x_stride, int64_t r0, int64_t r1, const struct i8_rows_of_x *xs) {
+    const int64_t k = xs->k, nb = xs->nb;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < nb; b++) {
             const float *p = x + r * x_stride + b * QK;
@@ -747,7 +759,7 @@ static void quantize_rows_i8(const float *x, int64_t x_stride, int64_t r0, int64
             /* volatile: -freciprocal-math would let 1 / (amax / 127) become 127 / amax, another rounding */
             const volatile float d = amax * (1.0f / 127.0f);
             const float id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *q = xq + r * k + b * QK;
+            int8_t *q = xs->q + r * k + b * QK;
             int sum = 0;
             for (int i = 0; i < QK; i++) {
                 float v = __builtin_nearbyintf(p[i] * id);
@@ -756,8 +768,9 @@ static void quantize_rows_i8(const float *x, int64_t x_stride, int64_t r0, int64
                 q[i] = (int8_t)qi;
                 sum += qi;
             }
-            dx[r * nb + b] = d;
-            sx[r * nb + b] = d * (float)sum;
+            xs->dx[r * nb + b] = d;
+            xs->sx[r * nb + b] = d * (float)sum;
+            xs->sum[r * nb + b] = sum;
         }
 }
 
@@ -776,8 +789,8 @@ static inline float tile_offset(int type, const uint8_t *tile, int j) {
 }
 
 static void linear_i8_portable(int type, const float *bias, const uint8_t *packed, float *y, int64_t y_stride,
-                               int64_t m, int64_t n, int64_t k, const int8_t *xq, const float *dx, const float *sx) {
-    const int64_t nb = k / QK, tb = tile_bytes(type), groups = (n + GROUP - 1) / GROUP;
+                               int64_t m, int64_t n, const struct i8_rows_of_x *xs) {
+    const int64_t k = xs->k, nb = xs->nb, tb = tile_bytes(type), groups = (n + GROUP - 1) / GROUP;
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++)
         for (int j = 0; j < GROUP && g * GROUP + j < n; j++)
@@ -785,12 +798,12 @@ static void linear_i8_portable(int type, const float *bias, const uint8_t *packe
                 float acc = 0.0f;
                 for (int64_t b = 0; b < nb; b++) {
                     const uint8_t *tile = packed + (g * nb + b) * tb;
-                    const int8_t *q = xq + r * k + b * QK;
+                    const int8_t *q = xs->q + r * k + b * QK;
                     int32_t sum = 0;
                     for (int kk = 0; kk < QK; kk++) sum += tile_quant(type, tile, j, kk) * q[kk];
-                    const float s = half_to_float(((const uint16_t *)tile)[j]) * dx[r * nb + b];
+                    const float s = half_to_float(((const uint16_t *)tile)[j]) * xs->dx[r * nb + b];
                     acc = __builtin_fmaf((float)sum, s, acc);
-                    if (type != Q8_0) acc = __builtin_fmaf(tile_offset(type, tile, j), sx[r * nb + b], acc);
+                    if (type != Q8_0) acc = __builtin_fmaf(tile_offset(type, tile, j), xs->sx[r * nb + b], acc);
                 }
                 y[r * y_stride + g * GROUP + j] = bias ? acc + bias[g * GROUP + j] : acc;
             }
@@ -798,16 +811,26 @@ static void linear_i8_portable(int type, const float *bias, const uint8_t *packe
 
 #if SIMD && defined(__AVX2__)
 #define HAVE_I8 1
-/* One slice of a group's tiles (nbs blocks) -> buf: per block its quants (Q4: 8 quads x 4 vectors;
- * Q8_0: |q| then q, 8 x 8 vectors) and then its scales d[32] and offsets m[32] in lane order. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define I8_VNNI 1
+#define I8_ROWS 4 /* rows a pass: 8 int32 sums of 512 bits */
+#define Q8_VECTORS 32 /* quant vectors of a Q8_0 block: q + 128 */
+#else
+#define I8_VNNI 0
+#define I8_ROWS 2 /* rows a pass: 8 int16 sums of 256 bits, 4 weight vectors, 2 broadcasts */
+#define Q8_VECTORS 64 /* |q|, then q for its sign */
+#endif
+#define I8_BLOCK_VECTORS(type) (((type) == Q8_0 ? Q8_VECTORS : 32) + 2 * GROUP / 8) /* quants, then scales */
+
+/* One slice of a group's tiles (nbs blocks) -> buf: per block its quants (8 quads x 4 vectors, and
+ * on AVX2 Q8_0's |q| and q: 8 x 8) and then its scales d[32] and offsets m[32] in lane order. */
 static inline __attribute__((always_inline)) void i8_unpack(const int type, const uint8_t *tiles, int64_t nbs,
                                                             __m256i *buf) {
     const int64_t tb = tile_bytes(type);
-    const int per_block = (type == Q8_0 ? 64 : 32) + 2 * GROUP / 8; /* vectors: quants, then 8 of scales */
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < nbs; b++) {
         const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
-        __m256i *out = buf + b * per_block;
+        __m256i *out = buf + b * I8_BLOCK_VECTORS(type);
         for (int quad = 0; quad < 8; quad++) {
             __m256i r[4];
             if (type == Q8_0) {
@@ -825,16 +848,18 @@ static inline __attribute__((always_inline)) void i8_unpack(const int type, cons
             const __m256i w[4] = {_mm256_unpacklo_epi16(a, c), _mm256_unpackhi_epi16(a, c),
                                   _mm256_unpacklo_epi16(bb, d), _mm256_unpackhi_epi16(bb, d)};
             for (int v = 0; v < 4; v++) {
-                if (type == Q8_0) {
+                if (type != Q8_0) {
+                    _mm256_store_si256(out + quad * 4 + v, w[v]);
+                } else if (I8_VNNI) {
+                    _mm256_store_si256(out + quad * 4 + v, _mm256_xor_si256(w[v], _mm256_set1_epi8((char)0x80)));
+                } else {
                     _mm256_store_si256(out + quad * 8 + v, _mm256_abs_epi8(w[v]));
                     _mm256_store_si256(out + quad * 8 + 4 + v, w[v]);
-                } else {
-                    _mm256_store_si256(out + quad * 4 + v, w[v]);
                 }
             }
         }
         /* scales, then offsets: halves 0..7, 8..15, 16..23, 24..31 -> lanes {0..3, 16..19}, {4..7, 20..23}, ... */
-        float *scales = (float *)(out + (type == Q8_0 ? 64 : 32));
+        float *scales = (float *)(out + (type == Q8_0 ? Q8_VECTORS : 32));
         __m256 d[4], o[4];
         for (int i = 0; i < 4; i++) {
             d[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tile + 16 * i)));
@@ -851,25 +876,61 @@ static inline __attribute__((always_inline)) void i8_unpack(const int type, cons
     }
 }
 
-/* Rows [r, r + R) times an unpacked slice of nbs blocks starting at block b0 (R = 1 or 2: two rows
- * share each weight vector's load), the fp32 sums in sums [R][32] (lane order), starting from zero
- * (first) or from what they hold. */
+#if I8_VNNI
+/* Rows [r, r + R) times an unpacked slice of nbs blocks starting at block b0, the fp32 sums in sums
+ * [R][32] (lane order), starting from zero (first) or from what they hold. */
 static inline __attribute__((always_inline)) void i8_row_block(const int type, const int R, const __m256i *buf,
-                                                               int64_t nbs, int64_t b0, int64_t nb, int64_t k,
-                                                               const int8_t *xq, const float *dx, const float *sx,
+                                                               int64_t nbs, int64_t b0, const struct i8_rows_of_x *xs,
                                                                int64_t r, float *sums, int first) {
-    const int per_block = (type == Q8_0 ? 64 : 32) + 2 * GROUP / 8;
+    for (int64_t b = 0; b < nbs; b++) {
+        const __m256i *w = buf + b * I8_BLOCK_VECTORS(type);
+        __m512i s[I8_ROWS][2];
+        for (int i = 0; i < R; i++) s[i][0] = s[i][1] = _mm512_setzero_si512();
+        for (int quad = 0; quad < 8; quad++) {
+            __m512i xb[I8_ROWS];
+            for (int i = 0; i < R; i++) {
+                int32_t four;
+                memcpy(&four, xs->q + (r + i) * xs->k + (b0 + b) * QK + 4 * quad, 4);
+                xb[i] = _mm512_set1_epi32(four);
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m512i wv = _mm512_load_si512((const void *)(w + quad * 4 + 2 * h));
+                for (int i = 0; i < R; i++) s[i][h] = _mm512_dpbusd_epi32(s[i][h], wv, xb[i]);
+            }
+        }
+        const float *scales = (const float *)(w + (type == Q8_0 ? Q8_VECTORS : 32));
+        for (int i = 0; i < R; i++) {
+            const int64_t at = (r + i) * xs->nb + b0 + b;
+            const __m512 bdx = _mm512_set1_ps(xs->dx[at]), bsx = _mm512_set1_ps(xs->sx[at]);
+            for (int h = 0; h < 2; h++) {
+                const __m512i i32 = type == Q8_0 ? _mm512_sub_epi32(s[i][h], _mm512_set1_epi32(128 * xs->sum[at]))
+                                                 : s[i][h];
+                const __m512 sc = _mm512_mul_ps(_mm512_load_ps(scales + 16 * h), bdx);
+                float *sum = sums + i * GROUP + 16 * h;
+                __m512 acc = first && b == 0 ? _mm512_setzero_ps() : _mm512_load_ps(sum);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i32), sc, acc);
+                if (type != Q8_0) acc = _mm512_fmadd_ps(_mm512_load_ps(scales + GROUP + 16 * h), bsx, acc);
+                _mm512_store_ps(sum, acc);
+            }
+        }
+    }
+}
+#else
+/* As above with AVX2 integer products (R = 1 or 2: two rows share each weight vector's load). */
+static inline __attribute__((always_inline)) void i8_row_block(const int type, const int R, const __m256i *buf,
+                                                               int64_t nbs, int64_t b0, const struct i8_rows_of_x *xs,
+                                                               int64_t r, float *sums, int first) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nbs; b++) {
-        const __m256i *w = buf + b * per_block;
-        __m256i s[2][4];
+        const __m256i *w = buf + b * I8_BLOCK_VECTORS(type);
+        __m256i s[I8_ROWS][4];
         for (int i = 0; i < R; i++)
             for (int v = 0; v < 4; v++) s[i][v] = _mm256_setzero_si256();
         for (int quad = 0; quad < 8; quad++) {
-            __m256i xb[2];
+            __m256i xb[I8_ROWS];
             for (int i = 0; i < R; i++) {
                 int32_t four;
-                memcpy(&four, xq + (r + i) * k + (b0 + b) * QK + 4 * quad, 4);
+                memcpy(&four, xs->q + (r + i) * xs->k + (b0 + b) * QK + 4 * quad, 4);
                 xb[i] = _mm256_set1_epi32(four);
             }
             for (int v = 0; v < 4; v++) {
@@ -887,10 +948,10 @@ static inline __attribute__((always_inline)) void i8_row_block(const int type, c
                 for (int i = 0; i < R; i++) __asm__("" : "+x"(s[i][v]));
             }
         }
-        const float *scales = (const float *)(w + (type == Q8_0 ? 64 : 32));
+        const float *scales = (const float *)(w + (type == Q8_0 ? Q8_VECTORS : 32));
         for (int i = 0; i < R; i++) {
-            const int64_t at = (r + i) * nb + b0 + b;
-            const __m256 bdx = _mm256_set1_ps(dx[at]), bsx = _mm256_set1_ps(sx[at]);
+            const int64_t at = (r + i) * xs->nb + b0 + b;
+            const __m256 bdx = _mm256_set1_ps(xs->dx[at]), bsx = _mm256_set1_ps(xs->sx[at]);
             for (int v = 0; v < 4; v++) {
                 const __m256i i32 = type == Q8_0 ? s[i][v] : _mm256_madd_epi16(s[i][v], ones);
                 const __m256 sc = _mm256_mul_ps(_mm256_load_ps(scales + 8 * v), bdx);
@@ -903,19 +964,19 @@ static inline __attribute__((always_inline)) void i8_row_block(const int type, c
         }
     }
 }
+#endif
 
-/* Rows [r0, r1) times an unpacked slice (i8_row_block); after the last slice, their sums (partial,
- * lane order) plus the bias into y's columns [col, col + cols). */
+/* Rows [r0, r1) times an unpacked slice (i8_row_block, I8_ROWS rows at a time); after the last
+ * slice, their sums (partial, lane order) plus the bias into y's columns [col, col + cols). */
 static inline __attribute__((always_inline)) void i8_rows(const int type, const __m256i *buf, int64_t nbs,
-                                                          int64_t b0, int64_t nb, int64_t k, const int8_t *xq,
-                                                          const float *dx, const float *sx, int64_t r0, int64_t r1,
-                                                          float *partial, int first, int last, float *y,
+                                                          int64_t b0, const struct i8_rows_of_x *xs, int64_t r0,
+                                                          int64_t r1, float *partial, int first, int last, float *y,
                                                           int64_t y_stride, const float *bias, int64_t col,
                                                           int64_t cols) {
     int64_t r = r0;
-    for (; r + 2 <= r1; r += 2)
-        i8_row_block(type, 2, buf, nbs, b0, nb, k, xq, dx, sx, r, partial + (r - r0) * GROUP, first);
-    if (r < r1) i8_row_block(type, 1, buf, nbs, b0, nb, k, xq, dx, sx, r, partial + (r - r0) * GROUP, first);
+    for (; r + I8_ROWS <= r1; r += I8_ROWS)
+        i8_row_block(type, I8_ROWS, buf, nbs, b0, xs, r, partial + (r - r0) * GROUP, first);
+    for (; r < r1; r++) i8_row_block(type, 1, buf, nbs, b0, xs, r, partial + (r - r0) * GROUP, first);
     if (!last) return;
     for (r = r0; r < r1; r++) {
         const float *lanes = partial + (r - r0) * GROUP;
@@ -928,25 +989,25 @@ static inline __attribute__((always_inline)) void i8_rows(const int type, const 
     }
 }
 
-static void i8_group(int type, const uint8_t *tiles, int64_t nb, int64_t k, const int8_t *xq, const float *dx,
-                     const float *sx, int64_t r0, int64_t r1, __m256i *buf, float *partial, float *y, int64_t y_stride,
-                     const float *bias, int64_t col, int64_t cols) {
-    const int64_t tb = tile_bytes(type);
+static void i8_group(int type, const uint8_t *tiles, const struct i8_rows_of_x *xs, int64_t r0, int64_t r1,
+                     __m256i *buf, float *partial, float *y, int64_t y_stride, const float *bias, int64_t col,
+                     int64_t cols) {
+    const int64_t tb = tile_bytes(type), nb = xs->nb;
     for (int64_t b0 = 0; b0 < nb; b0 += I8_SLICE) {
         const int64_t nbs = nb - b0 < I8_SLICE ? nb - b0 : I8_SLICE;
         const int first = b0 == 0, last = b0 + nbs >= nb;
         switch (type) {
         case Q4_0:
             i8_unpack(Q4_0, tiles + b0 * tb, nbs, buf);
-            i8_rows(Q4_0, buf, nbs, b0, nb, k, xq, dx, sx, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
+            i8_rows(Q4_0, buf, nbs, b0, xs, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
             break;
         case Q4_1:
             i8_unpack(Q4_1, tiles + b0 * tb, nbs, buf);
-            i8_rows(Q4_1, buf, nbs, b0, nb, k, xq, dx, sx, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
+            i8_rows(Q4_1, buf, nbs, b0, xs, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
             break;
         default:
             i8_unpack(Q8_0, tiles + b0 * tb, nbs, buf);
-            i8_rows(Q8_0, buf, nbs, b0, nb, k, xq, dx, sx, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
+            i8_rows(Q8_0, buf, nbs, b0, xs, r0, r1, partial, first, last, y, y_stride, bias, col, cols);
             break;
         }
     }
@@ -965,27 +1026,28 @@ static void *i8_buffer(int64_t bytes) {
 }
 #else
 #define HAVE_I8 0
+#define I8_VNNI 0
 #endif
 
-/* 1 when quant_linear_i8 runs on AVX2 integer products, 0 for its portable loop. */
-int quant_i8_simd(void) { return HAVE_I8; }
+/* 2 when quant_linear_i8 runs on AVX-512 VNNI dot products, 1 on AVX2 integer products, 0 for its
+ * portable loop. */
+int quant_i8_simd(void) { return HAVE_I8 + I8_VNNI; }
 
-/* m rows, their quantized copies in xq [m * k] and xscales [2 * m * k / 32] (dx, then sx). */
+/* m rows of x, quantized into xs, times the packed weight. */
 static void linear_i8_rows(int type, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias,
-                           float *y, int64_t y_stride, int64_t m, int64_t n, int64_t k, int8_t *xq, float *xscales) {
-    const int64_t nb = k / QK, groups = (n + GROUP - 1) / GROUP;
-    float *dx = xscales, *sx = xscales + m * nb;
+                           float *y, int64_t y_stride, int64_t m, int64_t n, const struct i8_rows_of_x *xs) {
+    const int64_t k = xs->k, groups = (n + GROUP - 1) / GROUP;
 #if HAVE_I8
-    const int64_t group_bytes = nb * tile_bytes(type);
+    const int64_t group_bytes = xs->nb * tile_bytes(type);
     int64_t max_rows = CHUNK_BYTES / (k > 0 ? k : 1);
     if (max_rows < 8) max_rows = 8;
     const int64_t num_chunks = (m + max_rows - 1) / max_rows, chunk = (m + num_chunks - 1) / num_chunks;
-    const int64_t slice_bytes = I8_SLICE * ((type == Q8_0 ? 64 : 32) + 2 * GROUP / 8) * 32;
+    const int64_t slice_bytes = I8_SLICE * I8_BLOCK_VECTORS(type) * 32;
     int ok = 1;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quantize_rows_i8(x, x_stride, r, r + 1, k, xq, dx, sx);
+        for (int64_t r = 0; r < m; r++) quantize_rows_i8(x, x_stride, r, r + 1, xs);
         __m256i *buf = i8_buffer(slice_bytes + chunk * GROUP * (int64_t)sizeof(float));
         if (!buf) {
             #pragma omp atomic write
@@ -999,17 +1061,17 @@ static void linear_i8_rows(int type, const float *x, int64_t x_stride, const uin
                 #pragma omp for schedule(static) nowait
                 for (int64_t g = 0; g < groups; g++) {
                     const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
-                    i8_group(type, packed + g * group_bytes, nb, k, xq, dx, sx, m0, m1, buf, partial, y, y_stride,
-                             bias, col, cols);
+                    i8_group(type, packed + g * group_bytes, xs, m0, m1, buf, partial, y, y_stride, bias, col, cols);
                 }
             }
         }
     }
     if (ok) return;
 #else
-    quantize_rows_i8(x, x_stride, 0, m, k, xq, dx, sx);
+    (void)k;
+    quantize_rows_i8(x, x_stride, 0, m, xs);
 #endif
-    linear_i8_portable(type, bias, packed, y, y_stride, m, n, k, xq, dx, sx);
+    linear_i8_portable(type, bias, packed, y, y_stride, m, n, xs);
 }
 
 static __thread void *i8_scratch; /* the calling thread's: its OpenMP team reads it */
@@ -1026,7 +1088,7 @@ void quant_linear_i8(int type, const float *x, int64_t x_stride, const uint8_t *
             for (int64_t j = 0; j < n; j++) y[r * y_stride + j] = bias ? bias[j] : 0.0f;
         return;
     }
-    const int64_t nb = k / QK, need = (2 * m * nb * (int64_t)sizeof(float) + m * k + 63) / 64 * 64;
+    const int64_t nb = k / QK, need = (3 * m * nb * 4 + m * k + 63) / 64 * 64;
     if (i8_scratch_bytes < need) {
         free(i8_scratch);
         i8_scratch = aligned_alloc(64, (size_t)need);
@@ -1034,13 +1096,17 @@ void quant_linear_i8(int type, const float *x, int64_t x_stride, const uint8_t *
     }
     if (i8_scratch) {
         float *scales = i8_scratch;
-        linear_i8_rows(type, x, x_stride, packed, bias, y, y_stride, m, n, k, (int8_t *)(scales + 2 * m * nb), scales);
+        const struct i8_rows_of_x xs = {(int8_t *)(scales + 3 * m * nb), scales, scales + m * nb,
+                                        (int32_t *)(scales + 2 * m * nb), k, nb};
+        linear_i8_rows(type, x, x_stride, packed, bias, y, y_stride, m, n, &xs);
         return;
     }
     for (int64_t r = 0; r < m; r++) {
-        int8_t xq[k];
-        float scales[2 * nb];
-        linear_i8_rows(type, x + r * x_stride, x_stride, packed, bias, y + r * y_stride, y_stride, 1, n, k, xq, scales);
+        int8_t q[k];
+        float dx[nb], sx[nb];
+        int32_t sum[nb];
+        const struct i8_rows_of_x xs = {q, dx, sx, sum, k, nb};
+        linear_i8_rows(type, x + r * x_stride, x_stride, packed, bias, y + r * y_stride, y_stride, 1, n, &xs);
     }
 }
 
