@@ -319,7 +319,12 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight={'+'.join(t.name for t in self.types)}, "
-                f"compute={'bf16 dot products' if self.compute_dtype == torch.bfloat16 else 'int8 activations' if self.int8_activations else 'fp32'}")
+                f"compute={self._compute_name()}")
+
+    def _compute_name(self) -> str:
+        if self.compute_dtype == torch.bfloat16:
+            return "bf16 dot products"
+        return "int8 activations" if self.int8_activations else "fp32"
 
 
 class QuantEmbedding(nn.Module):
@@ -440,8 +445,8 @@ def compute_quantized_model(model: nn.Module, dtype: torch.dtype, *,
         for module in model.modules():
             if isinstance(module, QuantLinear):
                 module.int8_activations = True
-        where = {2: f"AVX-512 VNNI dot products, {isa}", 1: f"AVX2 integer products, {isa}"}.get(lib.i8_simd,
-                                                                                                  "portable build")
+        where = {2: "AVX-512 VNNI dot products", 1: "AVX2 integer products"}.get(lib.i8_simd)
+        where = f"{where}, {isa}" if where else "portable build"
         return torch.float32, (f"quantized {'/'.join(types)} weights, activations rounded to int8 per block of 32 "
                                f"(--int8-activations; C kernel, {where})")
     if dtype == torch.bfloat16 and bf16_kernel_available():

@@ -1,7 +1,8 @@
 /* y = x W^T + b on CPU with W kept in a 4- or 8-bit block format (GGUF Q4_0, Q4_1, Q8_0), b
  * float32, x and y float32 (quant_linear: each weight dequantized to fp32 in registers and
  * multiplied by an fp32 FMA) or bfloat16 (quant_linear_bf16, on AVX-512 BF16: the fp32 weight
- * rounded to bf16 and multiplied by vdpbf16ps dot products, below).
+ * rounded to bf16 and multiplied by vdpbf16ps dot products, below); or x rounded to int8 per
+ * block and multiplied in integers (quant_linear_i8, --int8-activations, further below).
  *
  * A block holds 32 consecutive weights of one output row with an fp16 scale d (and for Q4_1 an
  * fp16 offset m): Q4_0 w = (q - 8) d, q in 0..15; Q4_1 w = q d + m, q in 0..15; Q8_0 w = q d, q in
