@@ -376,6 +376,13 @@ def test_int8_activations_serve_quantized_weights_only(lib, tiny_model_dir, tmp_
     assert any("activations rounded to int8 per block of 32" in r.getMessage() for r in caplog.records)
 
 
+def test_int8_activations_need_the_cpu(tiny_model_dir):
+    from worker_svc.runner import ModelRunner, RunnerConfig
+
+    with pytest.raises(ValueError, match="--int8-activations runs on CPU"):  # refused before any weight loads
+        ModelRunner(tiny_model_dir("llama-gqa"), RunnerConfig(device="meta", int8_activations=True))
+
+
 def test_quantization_needs_cpu_and_one_rank(tiny_model_dir):
     with pytest.raises(ValueError, match="--quantization int8 runs on CPU with one rank"):
         load_model(tiny_model_dir("llama-gqa"), torch.float32, "meta", quantization="int8")
