@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pathlib
+import shutil
 import time
 
 import pytest
@@ -132,7 +135,8 @@ def test_gguf_conversion_is_atomic_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(weights, "convert_gguf", failing_convert)
     with pytest.raises(RuntimeError, match="crash"):
         resolve_model_path(gguf, cache_dir=cache)
-    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []  # no half directory
+    # no half directory: only the file's digest, remembered for the next start
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [weights.GGUF_DIGESTS_FILE]
 
     calls = []
 
@@ -151,6 +155,97 @@ def test_gguf_conversion_is_atomic_and_cached(tmp_path, monkeypatch):
     assert resolve_model_path(gguf) == first and len(calls) == 1
     # a directory holding just one .gguf resolves through it
     assert resolve_model_path(tmp_path) == first
+
+
+def fake_conversions(monkeypatch) -> list[pathlib.Path]:
+    """``convert_gguf`` replaced by one that writes a config.json (the GGUFs here are not models);
+    the list records the files it converted."""
+    calls = []
+
+    def fake_convert(src, out):
+        calls.append(pathlib.Path(src))
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"\0" * 1000)
+        return out
+
+    monkeypatch.setattr(weights, "convert_gguf", fake_convert)
+    return calls
+
+
+def test_copies_of_one_gguf_share_one_converted_directory(tmp_path, monkeypatch):
+    """A package installed into a new environment writes the same file with a new mtime: it finds
+    the converted copy another environment made, and its digest is read once per file."""
+    calls = fake_conversions(monkeypatch)
+    cache = tmp_path / "cache"
+    first_env, second_env = tmp_path / "env1" / "model.gguf", tmp_path / "env2" / "model.gguf"
+    for path, mtime in ((first_env, 1_000_000_000), (second_env, 2_000_000_000)):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF same weights")
+        os.utime(path, ns=(mtime, mtime))
+    converted = resolve_model_path(first_env, cache_dir=cache)
+    assert resolve_model_path(second_env, cache_dir=cache) == converted and calls == [first_env]
+    assert weights.gguf_source(converted) == second_env.resolve()  # the copy last resolved to it
+    digests = json.loads((cache / weights.GGUF_DIGESTS_FILE).read_text())
+    assert set(digests) == {str(first_env.resolve()), str(second_env.resolve())}
+
+    def no_hashing(*args, **kwargs):
+        raise AssertionError("hashed a file whose digest is remembered")
+
+    monkeypatch.setattr(weights.hashlib, "file_digest", no_hashing)
+    assert resolve_model_path(first_env, cache_dir=cache) == converted
+    # the same path with other contents is hashed again, and converted apart
+    first_env.write_bytes(b"GGUF other weights")
+    with pytest.raises(AssertionError, match="hashed a file"):
+        resolve_model_path(first_env, cache_dir=cache)
+
+
+def test_stale_converted_copies_are_removed(tmp_path, monkeypatch, caplog):
+    calls = fake_conversions(monkeypatch)
+    cache = tmp_path / "cache"
+    model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    model.write_bytes(b"GGUF version one")
+    other.write_bytes(b"GGUF another model")
+    old = resolve_model_path(model, cache_dir=cache)
+    kept = resolve_model_path(other, cache_dir=cache)
+    gone_env = tmp_path / "gone-env" / "model.gguf"
+    gone_env.parent.mkdir()
+    gone_env.write_bytes(b"GGUF from an environment since deleted")
+    orphan = resolve_model_path(gone_env, cache_dir=cache)
+    reinstalled = tmp_path / "reinstalled-env" / "model.gguf"
+    reinstalled.parent.mkdir()
+    reinstalled.write_bytes(b"GGUF an older package")
+    outdated = resolve_model_path(reinstalled, cache_dir=cache)
+    shutil.rmtree(gone_env.parent)
+    reinstalled.write_bytes(b"GGUF a newer package")  # not resolved since
+    # converted before copies noted their file
+    unnoted = cache / "model-00000000abcd"
+    unnoted.mkdir()
+    (unnoted / "config.json").write_text("{}")
+    (unnoted / "model.safetensors").write_bytes(b"\0")
+    # made by a newer layout, and a directory that is not a converted copy at all: left alone
+    newer = cache / "model-0123456789ab"
+    newer.mkdir()
+    (newer / weights.GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(model.resolve()), "version": 99}))
+    foreign = cache / "notes-ba9876543210"
+    foreign.mkdir()
+    (foreign / "readme.txt").write_text("mine")
+    assert all(p.is_dir() for p in (old, orphan, outdated, unnoted)) and len(calls) == 4
+
+    model.write_bytes(b"GGUF version two")  # the file replaced: its old copy will never be used again
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        new = resolve_model_path(model, cache_dir=cache)
+    assert new != old and new.is_dir() and len(calls) == 5
+    assert not any(p.exists() for p in (old, orphan, outdated, unnoted))
+    assert kept.is_dir() and newer.is_dir() and foreign.is_dir()
+    assert not (cache / f".{old.name}.lock").exists()
+    assert "removed 4 stale converted model copies" in caplog.text
+    assert all(p.name in caplog.text for p in (old, orphan, outdated, unnoted))
+    # nothing more to remove on the next start, and the live copies stay
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        assert resolve_model_path(other, cache_dir=cache) == kept
+    assert "stale" not in caplog.text and new.is_dir()
 
 
 def test_iter_weights_safetensors_and_bin(tmp_path):
@@ -201,7 +296,8 @@ def test_embedded_gguf_converts_once_and_matches_transformers(tmp_path, caplog, 
     assert model_dir.parent == cache and model_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     names = {p.name for p in model_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= names
-    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [model_dir.name]
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == sorted(
+        [model_dir.name, weights.GGUF_DIGESTS_FILE])
 
     hf_config = json.loads((model_dir / "config.json").read_text())
     assert "quantization_config" not in hf_config

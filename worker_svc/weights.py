@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import time
 import uuid
@@ -40,6 +41,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_SOURCE_FILE = "gguf_source.json"  # in a converted directory: the GGUF file it came from
 # Bump when the converted layout changes, so older cache entries are not reused.
 _CONVERSION_VERSION = 1
+# under the cache root: the SHA-256 of each GGUF file converted, by path (``_gguf_digest``)
+GGUF_DIGESTS_FILE = "gguf-digests.json"
+_CONVERTED_NAME = re.compile(r".+-[0-9a-f]{12}")  # a converted directory's name: <stem>-<key>
 
 
 def default_gguf_path() -> pathlib.Path:
@@ -78,8 +82,9 @@ def resolve_model_path(model: str | os.PathLike | None, cache_dir: str | os.Path
     """Directory holding config.json + weights + tokenizer files for ``model``.
 
     - None: the embedded default GGUF (SmolLM2-135M-Instruct), converted as below.
-    - a ``.gguf`` file: converted once into ``<cache root>/<stem>-<hash of size and mtime>``, where the
-      cache root is ``cache_dir``, else $PAGEWIRE_CACHE_DIR, else ~/.cache/pagewire. The directory appears
+    - a ``.gguf`` file: converted once into ``<cache root>/<stem>-<hash of its contents>``, where the
+      cache root is ``cache_dir``, else $PAGEWIRE_CACHE_DIR, else ~/.cache/pagewire (``_cached_conversion``:
+      every copy of one file, in any environment, shares one converted directory). The directory appears
       atomically (built under a temporary name, then renamed), so a crash or a concurrent conversion
       never leaves a half-written one.
     - a directory: returned as is; one without config.json but with exactly one ``.gguf`` uses that file.
@@ -106,40 +111,129 @@ def resolve_model_path(model: str | os.PathLike | None, cache_dir: str | os.Path
 
 
 def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pathlib.Path:
-    stat = gguf_path.stat()
-    key = f"{_CONVERSION_VERSION}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-    target = cache_root / f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
-    if (target / "config.json").is_file():
-        _note_gguf_source(target, gguf_path)
-        return target
+    """The converted directory of ``gguf_path``, converting it first if needed.
+
+    Its name is keyed by the file's contents (``_gguf_digest``), not by its path or modification
+    time: a package installed into a new environment writes the same file with a new mtime, and
+    each environment would otherwise leave its own half-gigabyte copy behind. Copies this one makes
+    stale are removed (``_prune_stale_copies``)."""
     cache_root.mkdir(parents=True, exist_ok=True)
+    digest = _gguf_digest(gguf_path, cache_root)
+    key = f"{_CONVERSION_VERSION}:{digest}".encode()
+    target = cache_root / f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+    # under the directory's lock: another process may be converting it, or pruning it as stale
     with _file_lock(cache_root / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # another process converted it while we waited
-            return target
-        tmp = cache_root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        log.info("converting %s to safetensors in %s (once; later starts load the converted copy)",
-                 gguf_path.name, target)
-        start = time.monotonic()
-        try:
-            convert_gguf(gguf_path, tmp)
-            if target.exists():  # a leftover without config.json, not made by us
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        log.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
-    _note_gguf_source(target, gguf_path)
+        if not (target / "config.json").is_file():
+            _convert_into(gguf_path, target, cache_root)
+        _note_gguf_source(target, gguf_path)
+    _prune_stale_copies(target, gguf_path, cache_root)
     return target
 
 
+def _convert_into(gguf_path: pathlib.Path, target: pathlib.Path, cache_root: pathlib.Path) -> None:
+    tmp = cache_root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    log.info("converting %s to safetensors in %s (once; later starts load the converted copy)",
+             gguf_path.name, target)
+    start = time.monotonic()
+    try:
+        convert_gguf(gguf_path, tmp)
+        if target.exists():  # a leftover without config.json, not made by us
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
+
+
+def _gguf_digest(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> str:
+    """The SHA-256 of the file's contents, read once per file: remembered in ``GGUF_DIGESTS_FILE``
+    under the cache root by the file's path, device, inode, size and mtime, so that later starts
+    cost a ``stat`` (entries of files that are gone are dropped when one is added)."""
+    resolved = gguf_path.resolve()
+    stat = resolved.stat()
+    identity = f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = cache_root / GGUF_DIGESTS_FILE
+    entry = _read_json(index_path).get(str(resolved))
+    if isinstance(entry, dict) and entry.get("identity") == identity and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    if stat.st_size > 1 << 30:
+        log.info("hashing %s (%.1f GB) once, to find its converted copy", gguf_path.name, stat.st_size / 1e9)
+    with open(resolved, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    with _file_lock(cache_root / f".{GGUF_DIGESTS_FILE}.lock"):
+        index = {path: e for path, e in _read_json(index_path).items() if os.path.exists(path)}
+        index[str(resolved)] = {"identity": identity, "sha256": digest}
+        tmp = cache_root / f".{GGUF_DIGESTS_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(index, indent=1) + "\n")
+        os.replace(tmp, index_path)
+    return digest
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    """A JSON object from a file; an empty one if it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _prune_stale_copies(target: pathlib.Path, gguf_path: pathlib.Path, cache_root: pathlib.Path) -> None:
+    """Remove converted directories under the cache root that no start will use again, each under
+    its lock:
+
+    - this same GGUF path's copies under another key (an older conversion layout, or contents
+      since replaced);
+    - copies whose GGUF file is gone, or was rewritten after a resolve last noted it (a package
+      reinstalled: resolving it again finds or makes the copy for its contents);
+    - copies that note no file (converted before copies noted theirs).
+
+    Only ``<stem>-<12 hex digits>`` directories are looked at, and only those with a
+    ``GGUF_SOURCE_FILE`` note or, without one, a converted model's config.json and
+    model.safetensors; copies of a newer conversion layout are left to the version that made them."""
+    resolved = str(gguf_path.resolve())
+
+    def stale(path: pathlib.Path) -> bool:
+        note = _read_json(path / GGUF_SOURCE_FILE)
+        source = note.get("path")
+        if not note:  # converted before copies noted their file (this one's is written under its lock)
+            return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+        if not isinstance(source, str) or note.get("version", 1) > _CONVERSION_VERSION:
+            return False
+        try:
+            stat = os.stat(source)
+        except OSError:
+            return True  # its file is gone
+        # this file under another key, or a file rewritten since (a resolve notes it anew)
+        return source == resolved or (stat.st_size, stat.st_mtime_ns) != (note.get("size"), note.get("mtime_ns"))
+
+    removed, freed = [], 0
+    for path in cache_root.iterdir():
+        if path == target or not path.is_dir() or not _CONVERTED_NAME.fullmatch(path.name) or not stale(path):
+            continue
+        lock = cache_root / f".{path.name}.lock"
+        with _file_lock(lock):
+            if not stale(path):  # removed, or taken on by another process, since the first look
+                continue
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        removed.append(path.name)
+        freed += size
+    if removed:
+        log.info("removed %d stale converted model cop%s from %s (%.0f MB): %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", cache_root, freed / 1e6, ", ".join(sorted(removed)))
+
+
 def _note_gguf_source(target: pathlib.Path, gguf_path: pathlib.Path) -> None:
-    """Record in ``target`` which GGUF file it holds (written atomically, when it changed)."""
+    """Record in ``target`` which GGUF file it holds (written atomically, when it changed): the file
+    last resolved to it, as every copy of the same contents shares it."""
     stat = gguf_path.stat()
-    note = {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    note = {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "version": _CONVERSION_VERSION}
     file = target / GGUF_SOURCE_FILE
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(file.read_text()) == note:
-            return
+    if _read_json(file) == note:
+        return
     tmp = target / f".{GGUF_SOURCE_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.write_text(json.dumps(note) + "\n")
     os.replace(tmp, file)
