@@ -13,7 +13,7 @@ from typing import Sequence as Seq
 from pagewire_common import step_profile
 from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import TextDelta, Usage
-from pagewire_common.sampling import SamplingParams
+from pagewire_common.sampling import SamplingParams, check_text
 from pagewire_common.settings import OFFLINE_SETTING_NAMES, SETTING_NAMES, Settings
 from scheduler_svc.api.text_stream import OutputProcessor
 from scheduler_svc.api.tokenizer import Tokenizer
@@ -205,8 +205,10 @@ class LLM:
                 steps.clear()
                 step_profile.end_step(num_tokens)
         except BaseException:
-            for request_id in list(client.request_ids):
-                engine.abort(request_id)
+            # a step failed or was interrupted halfway: the engine and the worker may disagree about
+            # what ran, so both start afresh, as after a lost worker (the prefix cache goes too)
+            engine.reset()
+            self.runner.reset()
             raise
         outputs = []
         for request_id, name, ids, sp in requests:
@@ -221,6 +223,7 @@ class LLM:
             return [int(t) for t in prompt]
         if not prompt:
             raise ValueError("prompt is empty")
+        check_text("the prompt", prompt)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; give token ids")
         ids = self.tokenizer.encode(prompt)

@@ -79,20 +79,30 @@ class CoreRequests:
     abort_names: list[str] = field(default_factory=list)
     # set when it changes: this server has SubscribeKVEvents streams (True) or none left (False)
     kv_events: bool | None = None
+    # adds encoded already (``encode_add``), sent ahead of ``adds``; they arrive in ``adds``
+    encoded_adds: list[bytes] = field(default_factory=list)
+
+    @staticmethod
+    def encode_add(add: NewRequest) -> bytes:
+        """One add as a message of its own. Encoded protobuf messages concatenate into one message
+        (repeated fields append), so an API server encodes each add when it takes the request:
+        ``ValueError`` there refuses that request alone, where an add that failed in the turn's
+        ``to_bytes`` would lose the whole turn's message."""
+        return core_pb2.CoreRequests(adds=[core_pb2.CoreAdd(
+            request_id=add.request_id, prompt_token_ids=np.asarray(add.prompt_token_ids, dtype=_I32).tobytes(),
+            sampling=wire.sampling_to_pb(add.sampling), name=add.name)]).SerializeToString()
 
     def to_bytes(self) -> bytes:
         msg = core_pb2.CoreRequests(num_rejected=self.num_rejected, ready=self.ready,
                                     num_outputs_done=self.num_outputs_done, abort_names=self.abort_names)
-        for add in self.adds:
-            msg.adds.append(core_pb2.CoreAdd(request_id=add.request_id,
-                                             prompt_token_ids=np.asarray(add.prompt_token_ids, dtype=_I32).tobytes(),
-                                             sampling=wire.sampling_to_pb(add.sampling), name=add.name))
         if self.abort_ids:
             msg.abort_ids = np.asarray(self.abort_ids, dtype=_I64).tobytes()
         if self.stop_ids:
             msg.stop_ids = np.asarray(self.stop_ids, dtype=_I64).tobytes()
         if self.kv_events is not None:
             msg.kv_events = self.kv_events
+        if self.encoded_adds or self.adds:
+            return b"".join([*self.encoded_adds, *map(self.encode_add, self.adds), msg.SerializeToString()])
         return msg.SerializeToString()
 
     @classmethod

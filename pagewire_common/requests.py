@@ -89,10 +89,13 @@ def validate_prompt_tokens(token_ids: list[int], sampling: SamplingParams, *, vo
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # min/max: no Python loop per token
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
-    sampling.validate()
+    # sampling was validated when it was made: SamplingParams is frozen and checks itself
     bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in sampling.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:  # the worker masks them before min_tokens: each must be a row of the logits
+        raise ValueError(f"stop_token_ids token id {bad} is outside the vocabulary [0, {vocab_size})")
     if max_num_seqs is not None and sampling.n > max_num_seqs:
         raise ValueError(f"n ({sampling.n}) exceeds max_num_seqs ({max_num_seqs}): the samples run together")
     if sampling.structured_output is not None:

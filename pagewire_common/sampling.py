@@ -10,6 +10,9 @@ import math
 from dataclasses import dataclass
 
 _MAX_SEED = 2**64 - 1
+# the largest value of the counts and token ids that cross the wire as uint32 (top_k, max_tokens,
+# stop_token_ids, n, min_tokens): a larger one is refused here, not by the encoder
+MAX_UINT32 = 2**32 - 1
 MAX_TOP_LOGPROBS = 20
 # OpenAI's ranges: a penalty or bias beyond them only ever makes a token certain or impossible
 MAX_ABS_PENALTY = 2.0
@@ -108,17 +111,17 @@ class SamplingParams:
             raise ValueError("temperature must be finite")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_UINT32:
+            raise ValueError(f"top_k must be an integer in [0, {MAX_UINT32}] (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_UINT32:
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_UINT32}], got {self.max_tokens!r}")
         validate_stop(self.stop)
         for t in self.stop_token_ids:
-            if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
-        if not isinstance(self.n, int) or self.n < 1:
+            if not 0 <= t <= MAX_UINT32:
+                raise ValueError(f"stop_token_ids must be token ids >= 0, got {t}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_UINT32:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not (0.0 <= self.min_p <= 1.0):  # also false for NaN
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
@@ -147,6 +150,7 @@ class SamplingParams:
         for name in given:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string")
+            check_text(name, getattr(self, name))
 
     @property
     def is_greedy(self) -> bool:
@@ -175,9 +179,22 @@ def validate_stop(stop: tuple[str, ...]) -> None:
     for s in stop:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        check_text("a stop string", s)
     num_chars = sum(map(len, stop))
     if num_chars > MAX_STOP_CHARS:
         raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters in all, got {num_chars}")
+
+
+def check_text(what: str, text: str) -> None:
+    """Raise ``ValueError`` unless ``text`` is valid Unicode: a lone UTF-16 surrogate (JSON's
+    ``"\\ud83d"`` without its pair, from a client that cut a string inside an emoji) has no UTF-8
+    form, so no tokenizer or wire can carry it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid Unicode text: it holds a lone surrogate "
+                             f"{text[e.start]!r} at character {e.start}") from None
 
 
 # The declared defaults, for code that has to name one: a keyword argument's default, what an unset

@@ -31,6 +31,28 @@ def test_requests_round_trip():
     assert api_server_of(np.array([base, base + 2])).tolist() == [7, 7]
 
 
+def test_adds_encoded_one_by_one_arrive_as_one_message():
+    """An API server encodes each add as it takes the request; the turn's message is those and
+    the rest concatenated, which reads back as one message with every add, in order."""
+    base = first_request_id(3)
+    adds = [NewRequest(base + i, [i + 1, 7], SamplingParams(max_tokens=i + 2), f"name-{i}") for i in range(3)]
+    sent = CoreRequests(encoded_adds=[CoreRequests.encode_add(a) for a in adds[:2]], adds=[adds[2]],
+                        abort_ids=[base + 9], num_outputs_done=4)
+    got = CoreRequests.from_bytes(sent.to_bytes())
+    assert got.adds == adds and got.abort_ids == [base + 9] and got.num_outputs_done == 4 and got.encoded_adds == []
+
+
+def test_an_add_the_wire_cannot_carry_fails_alone():
+    import pytest
+
+    too_big = SamplingParams()
+    object.__setattr__(too_big, "top_k", 2**40)  # past SamplingParams's own check: the encoder's is the last
+    with pytest.raises(ValueError):
+        CoreRequests.encode_add(NewRequest(5, [1], too_big))
+    with pytest.raises(ValueError):
+        CoreRequests.encode_add(NewRequest(5, [1], SamplingParams(), "\ud83d"))
+
+
 def test_an_add_whose_sampling_does_not_decode_becomes_a_bad_request():
     msg = core_pb2.CoreRequests(adds=[core_pb2.CoreAdd(request_id=5, sampling=generation_pb2.SamplingParams(top_p=7.0))])
     (add,) = CoreRequests.from_bytes(msg.SerializeToString()).adds
@@ -79,3 +101,32 @@ def test_kv_events_round_trip_in_both_directions():
     assert CoreRequests.from_bytes(CoreRequests(kv_events=False).to_bytes()).kv_events is False
     assert CoreRequests.from_bytes(CoreRequests(kv_events=True).to_bytes()).kv_events is True
     assert CoreRequests.from_bytes(CoreRequests().to_bytes()).kv_events is None
+
+
+def test_a_failed_write_to_the_core_ends_the_session_rather_than_the_writer(caplog):
+    """Whatever makes a turn's message fail (a bug: adds are checked as they are taken), the API
+    server's writer logs it and ends the session, whose reader then fails what was in flight and
+    reconnects; the writer itself goes on with later messages."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from scheduler_svc.api.core_link import CoreLink
+
+    async def run():
+        link = CoreLink(SimpleNamespace(metrics=None, stream_interval=1), 0, "unix:/nonexistent.sock")
+        closed, written = [], []
+        link._session = SimpleNamespace(close=lambda: closed.append(True), write=written.append)
+        writer = asyncio.get_running_loop().create_task(link._write_loop())
+        link._out.abort_names.append(12345)  # not a string: the message cannot be encoded
+        link._flush_wanted.set()
+        await asyncio.sleep(0.01)
+        assert closed == [True] and written == [] and not writer.done()
+        link.reject()  # a later turn is written
+        await asyncio.sleep(0.01)
+        assert len(written) == 1 and CoreRequests.from_bytes(written[0]).num_rejected == 1
+        writer.cancel()
+        await link._channel.close()
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(run())
+    assert "sending to the scheduler core unix:/nonexistent.sock failed; reconnecting" in caplog.text

@@ -46,3 +46,52 @@ def test_generate_keeps_no_object_per_token(tiny_model_dir, monkeypatch):
     finally:
         llm.close()
         gc.unfreeze()
+
+
+def test_a_failed_step_leaves_the_engine_usable(tiny_model_dir, monkeypatch):
+    """A step that raises halfway (here the runner, on its third step) fails that call; the next
+    call finds the engine and the worker in step and gives the same tokens as a fresh engine."""
+    from pagewire import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir("llama-gqa"), block_size=4, num_kv_blocks=100)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        expected = [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], greedy)]
+        execute, calls = llm.runner.execute, []
+
+        def failing_execute(plan):
+            calls.append(plan.step_id)
+            if len(calls) == 3:
+                raise RuntimeError("the device fell over")
+            return execute(plan)
+
+        monkeypatch.setattr(llm.runner, "execute", failing_execute)
+        try:
+            llm.generate([[5, 6, 7], [8, 9]], greedy)
+            raise AssertionError("the failing step did not raise")
+        except RuntimeError as e:
+            assert "fell over" in str(e)
+        assert llm.engine.is_idle() and llm.runner.num_seqs == 0
+        llm.engine.allocator.check_integrity()
+        assert [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], greedy)] == expected
+        llm.engine.allocator.check_integrity()
+    finally:
+        llm.close()
+        gc.unfreeze()
+
+
+def test_a_prompt_that_is_not_unicode_is_a_value_error(tiny_model_dir):
+    import pytest
+
+    from pagewire import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir("llama-gqa"), block_size=4, num_kv_blocks=50)
+    try:
+        with pytest.raises(ValueError, match="prompt 1: the prompt is not valid Unicode text: it holds a lone surrogate"):
+            llm.generate(["fine", "half an emoji \ud83d"], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="stop_token_ids token id 100000 is outside the vocabulary"):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[100000]))
+        assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+    finally:
+        llm.close()
+        gc.unfreeze()

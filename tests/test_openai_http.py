@@ -155,7 +155,6 @@ def test_logprobs_match_grpc(stack):
     ({"prompt": "x", "top_p": 0}, None),
     ({"prompt": "x", "max_tokens": 100000}, None),
     ({"prompt": [1, 2, 10**7]}, None),
-    ({"prompt": "x", "model": "not-this-one"}, None),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": ["x" * MAX_STOP_CHARS, "y"]}, "stop"),
@@ -178,6 +177,90 @@ def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):
         sdk = {k: v for k, v in body.items() if k not in extra}
         with pytest.raises(openai.BadRequestError):
             client(url).completions.create(**{"model": model, **sdk}, extra_body=extra or None)
+
+
+# each of these once wedged the API server that took it: its add failed to encode in the message
+# to the core, and with it the writer of every later message
+@pytest.mark.parametrize("extra,words", [
+    ({"stop": ["\ud83d"]}, "stop: lone surrogate"),
+    ({"prompt": "half an emoji \ud83d"}, "prompt: lone surrogate"),
+    ({"top_k": 2**40}, "top_k"),
+    ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"stop_token_ids": [10**6], "min_tokens": 2}, "outside the vocabulary"),
+    ({"max_tokens": 2**40}, "max_tokens"),
+])
+def test_values_the_wire_cannot_carry_are_400_and_the_server_goes_on(stack, extra, words):
+    addr, url, model = stack
+    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 3, **extra})
+    assert status == 400, answer
+    message = answer["error"]["message"]
+    assert all(w.strip() in message for w in words.split(":")), message
+    assert_all_blocks_free(addr)
+    for _ in range(4):  # both API servers still reach the core
+        status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 3})
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "length", answer
+
+
+def test_bodies_that_are_not_plain_json_objects_are_400(stack):
+    addr, url, model = stack
+    deep = b'{"prompt":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in ("/v1/completions", "/tokenize"):
+        status, answer = http_json(url, path, deep)
+        assert status == 400 and "nests too deeply" in answer["error"]["message"], answer
+    for path in ("/tokenize", "/detokenize"):
+        for body in ([1, 2], None, "abc"):
+            status, answer = http_json(url, path, json.dumps(body).encode())
+            assert status == 400 and answer["error"]["message"] == "the request body must be a JSON object", answer
+    status, answer = http_json(url, "/tokenize", {"prompt": "a\ud800b"})
+    assert status == 400 and "prompt is not valid Unicode text" in answer["error"]["message"], answer
+    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [
+        {"role": "user", "content": "\udfff"}]})
+    assert status == 400 and "messages[0].content is not valid Unicode text" in answer["error"]["message"], answer
+    # a surrogate pair is an emoji, not an error
+    status, answer = http_json(url, "/tokenize", {"prompt": "\ud83d\ude00"})
+    assert status == 200 and answer["count"] > 0, answer
+    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2,
+                                                        "logit_bias": {"5": True}})
+    assert status == 400 and answer["error"]["param"] == "logit_bias", answer
+
+
+def test_unknown_model_is_404_as_openai_answers(stack):
+    addr, url, model = stack
+    before = stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected
+    status, answer = http_json(url, "/v1/completions", {"model": "not-this-one", "prompt": "x"})
+    assert status == 404 and answer["error"]["code"] == "model_not_found" and answer["error"]["param"] == "model"
+    assert wait_until(lambda: stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected == before + 1, timeout=5)
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+        status, answer = http_json(url, path, {"model": "not-this-one", **body})
+        assert status == 404 and answer["error"]["code"] == "model_not_found", answer
+        assert http_json(url, path, {"model": model, **body})[0] == 200
+    status, answer = http_json(url, "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and "not both" in answer["error"]["message"], answer
+
+
+def test_a_refused_prompt_of_several_runs_none_of_them(stack):
+    """The second prompt is too long: the request is refused whole, and the first never ran (it
+    is not counted as an aborted request in the metrics)."""
+    addr, url, model = stack
+
+    def aborted() -> float:
+        families = text_string_to_metric_families(http_json(url, "/metrics")[1])
+        return sum(s.value for f in families for s in f.samples
+                   if s.name == "pagewire:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+    before = aborted()
+    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": ["a", "x " * 3000], "max_tokens": 2})
+    assert status == 400, answer
+    assert aborted() == before
+    assert_all_blocks_free(addr)
+
+
+def test_chat_min_tokens_without_max_tokens(stack):
+    addr, url, model = stack
+    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "min_tokens": 5,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] >= 5
 
 
 def test_ten_thousand_stop_strings_are_400_naming_the_limit(stack):
@@ -414,3 +497,17 @@ def test_response_format_and_guided_fields_constrain_the_output(stack):
                                          extra_body={"guided_regex": regex})
     assert out.choices[0].finish_reason == "stop" and re.fullmatch(regex, out.choices[0].text)
     assert_all_blocks_free(addr)
+
+
+def test_special_tokens_are_named_in_logprobs(stack):
+    """EOS streams no text, but its logprobs entry names it, as vLLM's does."""
+    addr, url, model = stack
+    info = stub(addr).GetModelInfo(pb.ModelInfoRequest())
+    eos = info.eos_token_ids[0]
+    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 3, "logprobs": 0,
+                                                        "logit_bias": {str(eos): 100}, "return_token_ids": True})
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["token_ids"] == [eos] and choice["finish_reason"] == "stop" and choice["text"] == ""
+    (name,) = choice["logprobs"]["tokens"]
+    assert name and name.startswith("<") and name.endswith(">"), name

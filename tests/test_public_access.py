@@ -32,6 +32,8 @@ KEY = "s3cret-key"
     ("Bearer s3cret-key", True), ("bearer s3cret-key", True), ("  Bearer   s3cret-key ", True),
     ("Bearer s3cret-kez", False), ("Bearer s3cret-key2", False), ("Bearer ", False), ("s3cret-key", False),
     ("Basic s3cret-key", False), ("", False), (None, False),
+    # header bytes that are not UTF-8, as aiohttp hands them on (surrogate escapes): refused, not a crash
+    (b"Bearer \xff\xfe".decode("utf-8", "surrogateescape"), False),
 ])
 def test_check_authorization(value, admitted):
     assert check_authorization(value, KEY) is admitted

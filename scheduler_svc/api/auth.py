@@ -28,7 +28,8 @@ def check_authorization(header_value: str | None, key: str | None) -> bool:
     scheme, _, token = header_value.strip().partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(token.strip().encode(), key.encode())
+    # an HTTP header's bytes that are not UTF-8 arrive as surrogate escapes: compared as those bytes
+    return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key.encode())
 
 
 async def _refuse(request_or_iterator, context) -> None:

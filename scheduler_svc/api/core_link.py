@@ -142,17 +142,19 @@ class CoreLink:
 
     def submit(self, name: str, token_ids: list[int], sampling, outbox: Outbox,
                request: ApiRequest | None = None) -> int:
-        """Hand a request to the core; returns its id (``name`` is what the client calls it)."""
+        """Hand a request to the core; returns its id (``name`` is what the client calls it).
+        ``ValueError``, with nothing queued, for a request its message cannot carry."""
         if not self.is_serving:
             raise NotReadyError("the worker is not connected" if self.core_connected else "the scheduler core is not connected")
         request_id = next(self._request_ids)
         # n > 1: the samples are the n consecutive ids from this one, each with its own stream
         for _ in range(1, sampling.n):
             next(self._request_ids)
+        encoded = CoreRequests.encode_add(NewRequest(request_id, token_ids, sampling, name))
         self.output.add(request_id, name, token_ids, sampling)
         for index in range(sampling.n):
             self.pending[request_id + index] = _Pending(outbox, request, sampling.n)
-        self._out.adds.append(NewRequest(request_id, token_ids, sampling, name))
+        self._out.encoded_adds.append(encoded)
         self._flush_wanted.set()
         return request_id
 
@@ -186,7 +188,7 @@ class CoreLink:
 
     def _has_queued(self) -> bool:
         out = self._out
-        return bool(out.adds or out.abort_ids or out.stop_ids or out.abort_names or out.num_rejected or out.ready
+        return bool(out.encoded_adds or out.adds or out.abort_ids or out.stop_ids or out.abort_names or out.num_rejected or out.ready
                     or self._num_outputs_done != self._num_outputs_acked or out.kv_events is not None)
 
     async def _write_loop(self) -> None:
@@ -195,7 +197,12 @@ class CoreLink:
         while True:
             await self._flush_wanted.wait()
             self._flush_wanted.clear()
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # a bug: the turn's message is lost, so end the session rather than wedge it
+                log.exception("sending to the scheduler core %s failed; reconnecting", self.core_address)
+                if self._session is not None:
+                    self._session.close()
 
     def _write_one(self) -> None:
         msg, self._out = self._out, CoreRequests()

@@ -2,7 +2,7 @@
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or not),
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics``.
-Every request goes through ``open_request``, as gRPC's do: one place says what is valid, and a
+Every request goes through ``check_request`` and ``submit_request``, as gRPC's do: one place says what is valid, and a
 refusal carries a gRPC status that maps to the HTTP one (400, 429, 503...). Streamed responses
 send their headers once the first tokens (or the refusal) are known, so a full queue is a 429,
 not an error inside a 200 stream. A client that disconnects cancels its handler, which aborts its
@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 
 from aiohttp import web
 
 from pagewire_common.requests import TextDelta
+from pagewire_common.sampling import check_text
 from scheduler_svc.api import metrics as metrics_mod
 from scheduler_svc.api.auth import check_authorization
 from scheduler_svc.api.openai_protocol import (
@@ -34,7 +36,7 @@ from scheduler_svc.api.openai_protocol import (
     parse_messages,
     usage_dict,
 )
-from scheduler_svc.api.request import ApiRequest, RequestError, open_request
+from scheduler_svc.api.request import ApiRequest, RequestError, check_request, encode_prompt, submit_request
 
 log = logging.getLogger("pagewire.http")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -107,16 +109,27 @@ class OpenAIDoor:
         self._model()  # raises the 503 that says which link is down
         return web.Response(status=503)
 
-    async def tokenize(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+    def _named_model(self, body: dict):
+        """The served model, when the body names none or names it; 404 as OpenAI answers otherwise."""
         model = self._model()
-        if model.offloaded is None:
-            raise bad("this model has no tokenizer")
+        name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise bad(f"model must be a string, got {type(name).__name__}", "model")
+        if name and name != model.info.model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves `{model.info.model_name}`.",
+                              "not_found_error", "model", code="model_not_found")
+        return model
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        model = self._named_model(body)
+        if "messages" in body and "prompt" in body:
+            raise bad("give either prompt or messages, not both", "prompt")
         try:
             if "messages" in body:
-                _, ids = await model.offloaded.encode_chat(parse_messages(body["messages"]))
+                _, ids = await encode_prompt(model, None, parse_messages(body["messages"]))
             elif isinstance(body.get("prompt"), str):
-                ids = await model.offloaded.encode(body["prompt"])
+                _, ids = await encode_prompt(model, body["prompt"], None)
             else:
                 raise bad("give prompt (a string) or messages", "prompt")
         except ValueError as e:
@@ -124,8 +137,8 @@ class OpenAIDoor:
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": model.info.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        model = self._model()
+        body = await _json_object(request)
+        model = self._named_model(body)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise bad("tokens must be a list of token ids", "tokens")
@@ -160,14 +173,18 @@ class OpenAIDoor:
         api = self.api
         try:
             parsed = parse(await _json(request), chat=chat)
+            self._named_model({"model": parsed.model})
         except OpenAIError:
             api.reject()
             raise
         reqs: list[ApiRequest] = []
         try:
-            for kw in parsed.prompts:
-                reqs.append(await open_request(api, sampling=parsed.sampling, sampling_error=parsed.sampling_error,
-                                               model_name=parsed.model, fill_max_tokens=parsed.fill_max_tokens, **kw))
+            # every prompt is checked before any is submitted: a refused request never ran in part
+            checked = [await check_request(api, sampling=parsed.sampling, sampling_error=parsed.sampling_error,
+                                           model_name=parsed.model, fill_max_tokens=parsed.fill_max_tokens, **kw)
+                       for kw in parsed.prompts]
+            for c in checked:
+                reqs.append(submit_request(api, c))
             answer = _Answer(parsed, reqs, api.model)
             if parsed.stream:
                 return await answer.stream(request)
@@ -180,10 +197,48 @@ class OpenAIDoor:
 
 
 async def _json(request: web.Request):
+    """The request's body as JSON; 400 for a body that is not UTF-8 JSON, nests too deep for the
+    parser, or holds a string that is not valid Unicode (a lone UTF-16 surrogate escape such as
+    ``"\\ud83d"``, which no tokenizer or wire can carry)."""
+    raw = await request.read()
     try:
-        return await request.json(loads=json.loads)
+        text = raw.decode("utf-8")
+        body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad("the request body is not valid JSON: it nests too deeply") from None
+    if _SURROGATE_ESCAPE.search(text):  # only such an escape makes one: raw UTF-8 cannot
+        _check_strings(body)
+    return body
+
+
+async def _json_object(request: web.Request) -> dict:
+    body = await _json(request)
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_strings(body) -> None:
+    """400 for the first string (or object key) of a parsed body that is not valid Unicode."""
+    stack = [(body, "the request body")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                check_text(where, value)
+            except ValueError as e:
+                raise bad(str(e)) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, f"a key of {where}"))
+                stack.append((item, f"{where}.{key}" if where != "the request body" else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
 
 
 class _Answer:

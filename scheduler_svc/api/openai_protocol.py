@@ -212,10 +212,12 @@ def parse(body, *, chat: bool) -> ParsedRequest:
     max_tokens = _get(body, "max_completion_tokens", int, None) if chat else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
+    min_tokens = _get(body, "min_tokens", int)
     # completions without max_tokens get SamplingParams's default, which is OpenAI's
     fill = chat and max_tokens is None
     if fill:
-        max_tokens = 1  # replaced by what the model length leaves once the prompt is known
+        # replaced by what the model length leaves once the prompt is known (and checked again then)
+        max_tokens = max(1, min_tokens or 0)
     put("max_tokens", max_tokens)
     stop = body.get("stop")
     if stop is not None:
@@ -233,9 +235,11 @@ def parse(body, *, chat: bool) -> ParsedRequest:
     put("ignore_eos", _get(body, "ignore_eos", bool))
     for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         put(name, number(name))
-    put("min_tokens", _get(body, "min_tokens", int))
+    put("min_tokens", min_tokens)
     bias = _get(body, "logit_bias", dict)
     if bias is not None:
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()):
+            raise bad("logit_bias must map token ids to numbers", "logit_bias")
         try:
             bias = {int(k): float(v) for k, v in bias.items()}
         except (TypeError, ValueError):
@@ -287,7 +291,12 @@ def token_text(tokenizer, token_id: int) -> tuple[str, list[int]]:
     if tokenizer is None:
         return f"token_id:{token_id}", []
     table = tokenizer.token_bytes
-    raw = table[token_id] if table is not None and token_id < len(table) else tokenizer.decode([token_id]).encode()
+    if token_id in tokenizer.special_token_ids:  # no text in the stream, but named here (<|im_end|>)
+        raw = tokenizer.decode([token_id], skip_special_tokens=False).encode()
+    elif table is not None and token_id < len(table):
+        raw = table[token_id]
+    else:
+        raw = tokenizer.decode([token_id]).encode()
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 

@@ -2,7 +2,8 @@
 
 ``open_request`` is the one place that says what a valid request is: the server is up, the model
 name matches, the prompt tokenizes (off the event loop) and fits the model, the sampling
-parameters are in range. It then hands the request to the core. ``ApiRequest`` yields the
+parameters are in range (``check_request``). It then hands the request to the core
+(``submit_request``). ``ApiRequest`` yields the
 request's deltas as the core's steps produce them and aborts it in the core when its reader
 leaves before the end. A refusal or a failure is a ``RequestError`` carrying a gRPC status; the
 HTTP door maps that status to its own.
@@ -174,25 +175,58 @@ class ApiRequest:
                 self.api.metrics.finished("abort", time.monotonic() - self.arrival)
 
 
+@dataclass(slots=True)
+class CheckedRequest:
+    """A request that passed every check of ``check_request``, ready for ``submit_request``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
 async def open_request(api: ApiServer, *, request_id: str = "", sampling: SamplingParams | None = None,
                        sampling_error: str | None = None, prompt: str | None = None,
                        prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
                        model_name: str = "", fill_max_tokens: bool = False) -> ApiRequest:
-    """Validate, tokenize and submit one request; ``RequestError`` says why it was refused (each
-    refusal is counted in the core's stats). A door that could not build the sampling parameters
-    passes the reason as ``sampling_error``, so checks run in the same order for every door.
+    """Validate, tokenize and submit one request (``check_request``, then ``submit_request``)."""
+    checked = await check_request(api, request_id=request_id, sampling=sampling, sampling_error=sampling_error,
+                                  prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+                                  model_name=model_name, fill_max_tokens=fill_max_tokens)
+    return submit_request(api, checked)
+
+
+async def check_request(api: ApiServer, *, request_id: str = "", sampling: SamplingParams | None = None,
+                        sampling_error: str | None = None, prompt: str | None = None,
+                        prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
+                        model_name: str = "", fill_max_tokens: bool = False) -> CheckedRequest:
+    """Validate and tokenize one request; ``RequestError`` says why it was refused (each refusal
+    is counted in the core's stats). A door that could not build the sampling parameters passes
+    the reason as ``sampling_error``, so checks run in the same order for every door.
     ``fill_max_tokens``: generate up to the model length (``sampling.max_tokens`` is replaced by
-    what the prompt leaves)."""
+    what the prompt leaves). A request of several prompts checks them all before it submits one."""
     try:
-        return await _open(api, request_id, sampling, sampling_error, prompt, prompt_token_ids, messages, model_name,
-                           fill_max_tokens)
+        return await _check(api, request_id, sampling, sampling_error, prompt, prompt_token_ids, messages,
+                            model_name, fill_max_tokens)
     except RequestError:
         api.reject()
         raise
 
 
-async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages, model_name,
-                fill_max_tokens) -> ApiRequest:
+def submit_request(api: ApiServer, checked: CheckedRequest) -> ApiRequest:
+    """Hand a checked request to the core its prompt is routed to."""
+    try:
+        return ApiRequest(api.route(checked.prompt_token_ids), checked.request_id, checked.prompt_token_ids,
+                          checked.sampling)
+    except NotReadyError as e:
+        api.reject()
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+    except ValueError as e:  # a value the checks let through but the core's message cannot carry
+        api.reject()
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"the request cannot be sent to the engine core: {e}") from None
+
+
+async def _check(api, request_id, sampling, sampling_error, prompt, ids, messages, model_name,
+                 fill_max_tokens) -> CheckedRequest:
     if api.draining:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
     model = served_model(api, model_name)
@@ -215,11 +249,7 @@ async def _open(api, request_id, sampling, sampling_error, prompt, ids, messages
                                strict_length=True, max_num_seqs=info.max_num_seqs)
     except ValueError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-    try:
-        ids = list(ids)
-        return ApiRequest(api.route(ids), request_id or uuid.uuid4().hex, ids, sampling)
-    except NotReadyError as e:
-        raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+    return CheckedRequest(request_id or uuid.uuid4().hex, list(ids), sampling)
 
 
 def served_model(api: ApiServer, model_name: str = ""):
