@@ -38,7 +38,8 @@ class SamplingParams:
 
     Logit adjustments, applied on the device in this order: ``logit_bias`` (token id -> value
     added to its logit), ``min_tokens`` (EOS and ``stop_token_ids`` cannot end the sequence
-    before that many generated tokens), ``repetition_penalty`` (transformers' rule over prompt
+    before that many generated tokens; nor can ``stop`` strings, which the API servers then match
+    only where they end in later text), ``repetition_penalty`` (transformers' rule over prompt
     and generated tokens: positive logits divided, negative ones multiplied; 1 is off),
     ``presence_penalty``/``frequency_penalty`` (OpenAI's rule over generated tokens: minus
     ``presence`` once a token appeared, minus ``frequency`` per occurrence), then temperature,

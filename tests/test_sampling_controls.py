@@ -214,6 +214,22 @@ def test_engine_rejects_bias_outside_vocabulary_and_n_beyond_max_num_seqs(model_
     assert llm.engine.num_requests == 0 and not llm.engine.has_unfinished()
 
 
+def test_min_tokens_holds_stop_strings_back_as_well(model_dir):
+    """A stop string that the first tokens complete ends a request at once, and not one with
+    min_tokens past them; that one runs to min_tokens at least."""
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=64)
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    (full,) = llm.generate(["the quick brown fox"], SamplingParams(**greedy))
+    first = llm.tokenizer.decode(full.token_ids[:1])
+    stop = first.strip()[:1]
+    assert stop, full.text
+    (early,) = llm.generate(["the quick brown fox"], SamplingParams(**greedy, stop=[stop]))
+    assert early.finish_reason == "stop" and len(early.token_ids) == 1
+    (held,) = llm.generate(["the quick brown fox"], SamplingParams(**greedy, stop=[stop], min_tokens=6))
+    assert len(held.token_ids) >= 6 and held.token_ids == full.token_ids[:len(held.token_ids)]
+    assert held.text.startswith(first) and full.text.startswith(held.text)
+
+
 # ---- n samples --------------------------------------------------------------------------------
 
 

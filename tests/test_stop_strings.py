@@ -107,6 +107,20 @@ def test_nothing_past_a_stop_is_streamed():
     assert detok.update(list(range(4)), is_final=True) == ""
 
 
+def test_before_min_tokens_a_completed_stop_does_not_stop():
+    """min_tokens: a stop string completed by the first tokens is passed over (and its text
+    streamed once it can no longer grow into one); one that ends after them stops, even if it
+    began before."""
+    chunks = ["xEND", "y", "ab", "E", "ND", "tail"]
+    detok = IncrementalDetokenizer.for_prompt(ChunkTokenizer(chunks), 0, ("END",))
+    deltas = [detok.update(list(range(i + 1)), is_final=False, may_stop=i + 1 >= 4) for i in range(len(chunks))]
+    assert deltas == ["x", "ENDy", "ab", "", ""] + [""] and detok.stopped and detok.text == "xENDyab"
+    # armed from the token that completes it: that token stops it
+    detok = IncrementalDetokenizer.for_prompt(ChunkTokenizer(["a", "EN", "D"]), 0, ("END",))
+    deltas = [detok.update(list(range(i + 1)), is_final=False, may_stop=i + 1 >= 3) for i in range(3)]
+    assert deltas == ["a", "", ""] and detok.stopped and detok.text == "a"
+
+
 def test_matcher_state_is_the_longest_stop_prefix_ending_the_text():
     matcher = StopMatcher(StopStrings(["abcabd", "cax"]))
     held = []

@@ -24,6 +24,7 @@ class TextStream:
         "request_id", "token_ids", "num_prompt_tokens", "want_logprobs", "logprobs", "detokenizer",
         "detokenize_each_token", "num_streamed_tokens", "held_text", "finish_reason", "num_cached_prompt_tokens",
         "stream_interval", "want_top_logprobs", "top_logprobs", "index", "n", "prompt_logprobs", "plain",
+        "min_tokens",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -47,6 +48,7 @@ class TextStream:
             if tokenizer is not None else None
         )
         self.detokenize_each_token = self.detokenizer is not None and bool(sampling.stop)
+        self.min_tokens = sampling.min_tokens  # stop strings end the stream from this many output tokens on
         self.num_streamed_tokens = 0
         self.held_text = ""  # text decoded token by token and not yet in a delta
         self.finish_reason: FinishReason | None = None
@@ -80,7 +82,8 @@ class TextStream:
             self.top_logprobs.append(top if top is not None else ([], []))
         if self.detokenize_each_token:
             detok = self.detokenizer
-            self.held_text += detok.update(self.token_ids, is_final=False)
+            self.held_text += detok.update(self.token_ids, is_final=False,
+                                           may_stop=self.num_output_tokens >= self.min_tokens)
             if detok.stopped:
                 self.finish_reason = FinishReason.STOP
                 return True
@@ -91,7 +94,8 @@ class TextStream:
         if self.finish_reason is None:
             self.finish_reason = reason
             if self.detokenize_each_token:
-                self.held_text += self.detokenizer.update(self.token_ids, is_final=True)
+                self.held_text += self.detokenizer.update(self.token_ids, is_final=True,
+                                                          may_stop=self.num_output_tokens >= self.min_tokens)
 
     def ready(self) -> bool:
         """Whether a delta should go out now (first token, end, or ``stream_interval`` tokens)."""

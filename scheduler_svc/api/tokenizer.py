@@ -187,8 +187,10 @@ class IncrementalDetokenizer:
         self.read_offset += 1
         return self._utf8.decode(self.tokenizer.token_bytes[token_id])
 
-    def update(self, token_ids: list[int], is_final: bool) -> str:
-        """Feed the full token list after new tokens arrived; return the text to stream now."""
+    def update(self, token_ids: list[int], is_final: bool, may_stop: bool = True) -> str:
+        """Feed the full token list after new tokens arrived; return the text to stream now.
+        ``may_stop`` False (the request's ``min_tokens`` not reached yet): a stop string completed
+        by these tokens does not stop it, and only one that ends in later text will."""
         if self.stopped:
             return ""
         if self._utf8 is not None:
@@ -213,7 +215,7 @@ class IncrementalDetokenizer:
         emit_upto = len(self.text)
         # the text only grows, so the matcher has read exactly its first num_chars characters
         hit = matcher.feed(self.text[matcher.num_chars :])
-        if hit is not None:
+        if hit is not None and may_stop:
             self.stopped = True
             self.text = self.text[:hit]
             emit_upto = hit
