@@ -48,11 +48,13 @@ def die_with_parent(parent: int | None = None, *, unwind: bool = True) -> None:
     already exiting (a SystemExit raised inside interpreter shutdown prints a stray traceback).
     The kernel sends the signal when the *thread* that started the child ends, not only the
     process."""
+    global _parent_run_dir
     env_parent, run_dir = envs.pop_parent()
     parent = env_parent if parent is None else int(parent)
     if parent is None or not sys.platform.startswith("linux"):
         return
     if run_dir:
+        _parent_run_dir = run_dir
         atexit.register(_remove_if_orphaned, run_dir, parent)
     if unwind:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -63,6 +65,16 @@ def die_with_parent(parent: int | None = None, *, unwind: bool = True) -> None:
         return
     if os.getppid() != parent:  # the parent died before we got here
         sys.exit(1)
+
+
+_parent_run_dir: str | None = None
+
+
+def parent_run_dir() -> str | None:
+    """The temp folder of the supervisor that started this process, if it has one: a child that
+    puts its own temp folder in it leaves nothing behind when it is killed outright (SIGKILL, the
+    OOM killer), as the supervisor removes its folder when it ends."""
+    return _parent_run_dir
 
 
 def _exit_on_sigterm(signum, frame) -> None:

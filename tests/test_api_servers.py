@@ -230,10 +230,13 @@ def test_a_frozen_api_server_does_not_hold_the_others(served, offline, model_dir
 
 def test_killing_the_core_restarts_it_with_new_api_servers(model_dir, offline, tmp_path):
     """The scheduler core SIGKILLed: its API servers exit with it (parent-death signal), serve
-    starts a new core, which starts new API servers on the same port, and serving goes on."""
+    starts a new core, which starts new API servers on the same port, and serving goes on. The
+    dead core's temp folder was in serve's, which goes when serve stops."""
     port = free_port()
     addr = f"127.0.0.1:{port}"
-    serve = Proc(["serve", "--model", str(model_dir), "--listen", addr, "--api-servers", "2", *ENGINE], tmp_path / "serve.log")
+    tmp = tempfile.mkdtemp(prefix="pw-core-")  # every temp folder of the tree (short: unix socket paths)
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", addr, "--api-servers", "2", *ENGINE], tmp_path / "serve.log",
+                 env=dict(os.environ, TMPDIR=tmp))
     try:
         serve.wait_for_output("pagewire ready", timeout=120)
         (core,) = [pid for pid, argv in descendants(serve.proc.pid) if _role(argv) == "scheduler"]
@@ -253,8 +256,13 @@ def test_killing_the_core_restarts_it_with_new_api_servers(model_dir, offline, t
         assert not new_api & old_api
         assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in old_api)
         assert serve.proc.poll() is None and "the scheduler exited with code -9; restarting it" in serve.output()
+        (run_dir,) = os.listdir(tmp)  # serve's, holding both cores' folders
+        assert len([d for d in os.listdir(os.path.join(tmp, run_dir)) if d.startswith("pagewire-core-")]) == 2
+        assert serve.stop(30) == 0
+        assert os.listdir(tmp) == []
     finally:
         serve.stop(30)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_sigterm_leaves_no_process_behind(model_dir, tmp_path):

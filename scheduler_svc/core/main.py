@@ -25,7 +25,7 @@ from pagewire_common import step_profile
 from pagewire_common.addresses import add_port, check_address_free, http_url
 from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
 from pagewire_common.settings import API, PUBLIC, Settings
-from pagewire_common.supervisor import Supervisor
+from pagewire_common.supervisor import Supervisor, parent_run_dir
 from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import core_pb2_grpc
 from scheduler_svc.core.service import CoreService
@@ -60,7 +60,8 @@ async def run_scheduler(worker_address: str, listen: str | None, settings: Setti
     loop = asyncio.get_running_loop()
     if core_listen is not None:
         check_address_free(core_listen)
-    tmpdir = tempfile.mkdtemp(prefix="pagewire-core-")
+    # inside serve's own temp folder when serve started us: a core killed outright leaves nothing
+    tmpdir = tempfile.mkdtemp(prefix="pagewire-core-", dir=parent_run_dir())
     if core_listen is None:
         core_listen = f"unix:{tmpdir}/core.sock"
     if not metrics_multiprocess_dir():
