@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pagewire import __version__
-from pagewire.cli_args import DEFAULT_LISTEN, positive_int
+from pagewire.cli_args import DEFAULT_LISTEN, positive_float, positive_int, server_address
 from pagewire_common import envs, eventloop
 from pagewire_common.logs import LEVELS, setup_logging
 from pagewire_common.settings import API, CORE, PROCESS, PUBLIC, WORKER, Settings, add_arguments
@@ -17,6 +17,11 @@ PUBLIC_TITLE = "public address: API key and TLS"
 DATA_PARALLEL_LAYOUT = ("data_parallel_size", "data_parallel_cores")
 
 
+def _log_level(value: str) -> str:
+    value = value.strip().lower()
+    return "warning" if value == "warn" else value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagewire",
@@ -24,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         "core (continuous batching, KV block allocation) in front of a worker (model, paged KV cache).",
     )
     parser.add_argument("--version", action="version", version=f"pagewire {__version__}")
-    parser.add_argument("--log-level", default=envs.log_level(), type=str.lower, choices=LEVELS,
+    parser.add_argument("--log-level", default=envs.log_level(), type=_log_level, choices=LEVELS,
                         help="debug, info, warning or error (default: info; env PAGEWIRE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -92,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="stream a completion from a running server to stdout")
     p.add_argument("prompt", help="the prompt text (or the user message with --chat)")
-    p.add_argument("--addr", default=DEFAULT_LISTEN, help="server address (default: %(default)s)")
+    p.add_argument("--addr", default=DEFAULT_LISTEN, type=server_address,
+                   help="server address, HOST:PORT or unix:PATH (default: %(default)s)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="most tokens to generate (default: %(default)s)")
@@ -103,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string, cut from the output (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--show-usage", action="store_true", help="print token counts to stderr at the end")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds (default: none)")
+    p.add_argument("--timeout", type=positive_float, default=None, help="deadline in seconds (default: none)")
     g = p.add_argument_group("connection")
     g.add_argument("--api-key", default=envs.api_key(), metavar="KEY",
                    help="send 'authorization: Bearer KEY' with the call, for a server started with --api-key "
@@ -122,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_level not in LEVELS:  # argparse checks the choices of a flag given, not of its default
+        parser.error(f"PAGEWIRE_LOG_LEVEL must be one of {', '.join(LEVELS)}, got {envs.log_level()!r}")
     setup_logging(args.log_level)
     try:
         from worker_svc.cpu import features

@@ -34,3 +34,13 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def server_address(text: str) -> str:
+    """A server to connect to: HOST:PORT (port 1 to 65535) or unix:PATH."""
+    if text.startswith("unix:"):
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT (a port is 1 to 65535) or unix:PATH, got {text!r}")
+    return text

@@ -26,7 +26,7 @@ import tempfile
 import grpc
 
 from pagewire_common import eventloop
-from pagewire_common.addresses import check_address_free, http_url
+from pagewire_common.addresses import check_address_free, check_distinct, http_url
 from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
 from pagewire_common.settings import (
     API,
@@ -52,6 +52,8 @@ def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
     from pagewire_common.tls import TlsFiles
 
     # one clear line, before anything starts
+    _check_rank(settings)
+    check_distinct(listen, settings.http_listen)
     listen = check_address_free(listen)
     if settings.http_listen != "off":
         settings = settings.replace(http_listen=check_address_free(settings.http_listen))
@@ -72,6 +74,7 @@ def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
 def serve_core(settings: Settings, listen: str, log_level: str = "info") -> int:
     """``pagewire core``: a worker and an engine core listening on ``listen`` (host:port), with no
     API servers: those of ``serve --data-parallel-cores`` on another machine connect to it."""
+    _check_rank(settings)
     problem = check_host_port(listen)
     if problem:
         raise ValueError(f"--listen {problem}")
@@ -82,6 +85,14 @@ def serve_core(settings: Settings, listen: str, log_level: str = "info") -> int:
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         log.info("stopped")
+
+
+def _check_rank(settings: Settings) -> None:
+    """serve and core run rank 0, the one the scheduler talks to; a rank of its own has no server."""
+    if settings.rank:
+        raise ValueError(f"--rank {settings.rank}: serve and core run rank 0 of the ranks, which the scheduler "
+                         f"talks to; start rank {settings.rank} on its machine with `pagewire worker --rank "
+                         f"{settings.rank} --world-size N --distributed-init ADDR`")
 
 
 def worker_settings(settings: Settings) -> list[Settings]:
@@ -137,7 +148,7 @@ async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, 
             for name in list(supervisor.children):
                 supervisor.mark_ready(name)
             log.info("pagewire ready: serving %s on %s%s with %d local engine core(s)%s", names[0], listen,
-                     http_url(settings.http_listen), len(local_cores),
+                     http_url(settings.http_listen, settings.tls_cert_file is not None), len(local_cores),
                      f" and {len(remote_cores)} elsewhere ({settings.data_parallel_cores})" if remote_cores else "")
         await stop.wait()
     finally:
@@ -199,7 +210,7 @@ async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) 
         if model_name is not None:
             supervisor.mark_ready("worker")
             supervisor.mark_ready("scheduler")
-            log.info("pagewire ready: serving %s on %s%s", model_name, listen, http_url(settings.http_listen))
+            log.info("pagewire ready: serving %s on %s%s", model_name, listen, http_url(settings.http_listen, settings.tls_cert_file is not None))
         await stop.wait()
     finally:
         watcher.cancel()

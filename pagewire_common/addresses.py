@@ -3,6 +3,7 @@ clear error, and named the same way in every log line. Torch-free: every process
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -30,6 +31,9 @@ def check_address_free(listen: str, wait_s: float = 0.0) -> str:
 def _try_address(listen: str) -> str:
     if listen.startswith("unix:"):
         path = listen.removeprefix("unix:").removeprefix("//")
+        folder = os.path.dirname(path) or "."
+        if not os.path.isdir(folder):
+            raise OSError(f"cannot listen on {listen}: the folder {folder} does not exist")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             try:
                 s.connect(path)
@@ -39,6 +43,8 @@ def _try_address(listen: str) -> str:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"not an address: {listen!r} (host:port or unix:PATH)")
+    if int(port) > 65535:
+        raise ValueError(f"not an address: {listen!r} (a port is 0 to 65535)")
     host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -89,6 +95,21 @@ def peer_name(peer: str | None) -> str:
     return rest if kind in ("ipv4", "ipv6") else peer
 
 
-def http_url(http_listen: str) -> str:
-    """How a ready line names the OpenAI door (empty when it is off)."""
-    return "" if http_listen == "off" else f", OpenAI HTTP on http://{http_listen}"
+def http_url(http_listen: str, tls: bool = False) -> str:
+    """How a ready line names the OpenAI door (empty when it is off); ``tls``: it speaks HTTPS only."""
+    return "" if http_listen == "off" else f", OpenAI HTTP on {'https' if tls else 'http'}://{http_listen}"
+
+
+def check_distinct(listen: str, http_listen: str) -> None:
+    """``ValueError`` when the gRPC and the HTTP door would share a TCP port: both servers bind it
+    (the API servers share theirs with SO_REUSEPORT), and each would get the other's clients."""
+    if http_listen == "off" or listen.startswith("unix:"):
+        return
+    host, _, port = listen.rpartition(":")
+    http_host, _, http_port = http_listen.rpartition(":")
+    if port != http_port or port == "0":
+        return
+    wildcards = ("", "0.0.0.0", "[::]", "::")
+    if host == http_host or host in wildcards or http_host in wildcards:
+        raise ValueError(f"--listen {listen} and --http-listen {http_listen} are the same port: "
+                         "the gRPC and the HTTP door each need their own")

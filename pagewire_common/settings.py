@@ -61,7 +61,7 @@ def _at_least(low: int | float) -> Callable[[Any], str | None]:
     def check(value):
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:  # NaN too
             return f"must be a number >= {low}, got {value!r}"
         return None
 
@@ -120,6 +120,15 @@ def _core_addresses(value) -> str | None:
     return None
 
 
+def _device(value) -> str | None:
+    if value is None or value in ("cpu", "cuda"):
+        return None
+    kind, _, index = str(value).partition(":")
+    if kind == "cuda" and index.isdigit():
+        return None
+    return f"must be cpu, cuda or cuda:N, got {value!r}"
+
+
 def _boolean(value) -> str | None:
     return None if isinstance(value, bool) else f"must be True or False, got {value!r}"
 
@@ -160,7 +169,8 @@ class Settings:
         "PAGEWIRE_DTYPE changes the default (default: %(default)s)",
         scope=(WORKER,), check=_one_of(DTYPES), choices=DTYPES, env=envs.DTYPE_ENV)
     device: str | None = _setting(
-        None, "torch device (default: cuda if available, else cpu)", scope=(WORKER,))
+        None, "torch device: cpu, cuda or cuda:N (default: cuda if available, else cpu)", scope=(WORKER,),
+        check=_device, type=str)
     block_size: int = _setting(
         16, "tokens per KV block, a power of two (default: %(default)s)", scope=(WORKER,),
         check=_power_of_two, type=int)

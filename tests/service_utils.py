@@ -47,7 +47,7 @@ class Proc:
 
     def http_url(self) -> str:
         """The OpenAI door's base URL, as the ready line reports it."""
-        match = re.search(r"OpenAI HTTP on (http://[\w.\-\[\]:]+)", self.output())
+        match = re.search(r"OpenAI HTTP on (https?://[\w.\-\[\]:]+)", self.output())
         assert match, f"no HTTP address in the output of {self.argv[0]}:\n{self.output()}"
         return match.group(1)
 

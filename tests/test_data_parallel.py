@@ -248,3 +248,38 @@ def test_serve_with_two_cores_routes_and_reports_per_core(model_dir, offline, tm
     finally:
         assert proc.stop(timeout=30) == 0
     assert "Traceback" not in proc.output()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_core_lets_its_running_requests_finish(model_dir, tmp_path):
+    """`pagewire core` has no API servers of its own to drain: on SIGTERM its engine core refuses
+    new requests and keeps stepping the running ones, for up to --shutdown-timeout."""
+    address = f"127.0.0.1:{free_port()}"
+    core = Proc(["core", "--model", str(model_dir), "--listen", address, "--num-threads", "1", *ENGINE],
+                tmp_path / "core.log")
+    core.wait_for_output("engine core ready", timeout=90)
+    api = ApiServerProc([address], tmp_path)
+    try:
+        prompts = [[20 + i, 30 + i, 40 + i] for i in range(8)]
+        results: list = [None] * len(prompts)
+
+        def one(i):
+            try:
+                responses = list(api.stub.Generate(pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=sampling(
+                    max_tokens=240, ignore_eos=True))))
+                results[i] = ("ok", sum(len(r.token_ids) for r in responses), responses[-1].finish_reason)
+            except grpc.RpcError as e:
+                results[i] = (e.code(), e.details())
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(one, i) for i in range(len(prompts))]
+            wait_until(lambda: core_stats(address).num_running == len(prompts), timeout=20, interval=0.01)
+            core.signal(signal.SIGTERM)
+            for f in futures:
+                f.result(timeout=60)
+        assert results == [("ok", 240, pb.LENGTH)] * len(prompts)
+        assert core.proc.wait(30) == 0
+        assert "still running; cancelled" not in core.output()
+    finally:
+        api.stop()
+        core.stop()

@@ -110,6 +110,49 @@ def test_a_port_left_in_time_wait_is_free_but_one_listening_with_reuseport_is_no
             check_address_free(addr)
 
 
+@pytest.mark.parametrize("argv, message", [
+    # the two doors on one port: each would get the other's clients
+    (["serve", "--listen", "127.0.0.1:{port}", "--http-listen", "127.0.0.1:{port}"],
+     "--listen 127.0.0.1:{port} and --http-listen 127.0.0.1:{port} are the same port"),
+    (["serve", "--listen", "0.0.0.0:{port}", "--http-listen", "127.0.0.1:{port}"], "are the same port"),
+    (["worker", "--listen", "127.0.0.1:70000"], "not an address: '127.0.0.1:70000' (a port is 0 to 65535)"),
+    (["worker", "--listen", "unix:/no/such/folder/w.sock"],
+     "cannot listen on unix:/no/such/folder/w.sock: the folder /no/such/folder does not exist"),
+    (["serve", "--rank", "1", "--world-size", "2", "--distributed-init", "127.0.0.1:1"],
+     "--rank 1: serve and core run rank 0"),
+    (["worker", "--listen", "127.0.0.1:0", "--device", "cuda"], "--device cuda: this machine has no CUDA device"),
+])
+def test_bad_addresses_and_layouts_fail_at_once_in_one_line(argv, message, model_dir):
+    """Before any model loads or any child starts: one line, exit 2."""
+    import torch
+
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    port = str(free_port())
+    argv = [a.replace("{port}", port) for a in argv]
+    out = run_cli(*argv[:1], "--model", str(model_dir), *argv[1:])
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("pagewire: error: ") and message.replace("{port}", port) in lines[0], lines
+
+
+def test_a_bad_log_level_in_the_environment_is_a_usage_error():
+    out = subprocess.run([sys.executable, "-m", "pagewire.cli", "generate", "x"], capture_output=True, text=True,
+                         env=dict(os.environ, PAGEWIRE_LOG_LEVEL="verbose"), timeout=60)
+    assert out.returncode == 2
+    assert "PAGEWIRE_LOG_LEVEL must be one of debug, info, warning, error, got 'verbose'" in out.stderr
+    from pagewire.cli import build_parser
+
+    os.environ["PAGEWIRE_LOG_LEVEL"], before = "WARN", os.environ.get("PAGEWIRE_LOG_LEVEL")
+    try:
+        assert build_parser().parse_args(["generate", "x"]).log_level == "warning"  # logging's alias
+    finally:
+        if before is None:
+            del os.environ["PAGEWIRE_LOG_LEVEL"]
+        else:
+            os.environ["PAGEWIRE_LOG_LEVEL"] = before
+
+
 @pytest.mark.slow
 def test_a_unix_socket_in_use_is_not_taken_over(model_dir, tmp_path):
     """gRPC would remove the socket file of a server listening there and bind anew."""
@@ -205,3 +248,27 @@ def test_serve_logs_one_format_and_one_model_name(model_dir, tmp_path):
     assert re.search(rf"scheduler ready on 127\.0\.0\.1:{port}, OpenAI HTTP on http://127\.0\.0\.1:\d+ "
                      r"with 1 API server\(s\), worker unix:", text), text
     assert "(port 1)" not in text and "~20 s" not in text and "connected (unix:)" not in text, text
+
+
+def test_a_kv_cache_past_the_machine_and_a_long_max_model_len_are_said_plainly(model_dir, caplog):
+    from worker_svc.runner import ModelRunner, RunnerConfig
+
+    with pytest.raises(ValueError, match=r"cannot allocate the KV cache \(\d+ blocks, [\d.]+ GiB\) on cpu: .*give less "
+                                         r"--kv-cache-memory or --num-kv-blocks"):
+        ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", kv_cache_bytes=1 << 60))
+    with caplog.at_level("WARNING", logger="pagewire.worker"):
+        runner = ModelRunner(model_dir, RunnerConfig(device="cpu", dtype="float32", num_kv_blocks=8,
+                                                     max_model_len=100_000))
+    assert runner.max_model_len == runner.model_config.max_model_len < 100_000
+    assert f"--max-model-len 100000 is more than the model's {runner.max_model_len} positions" in caplog.text
+
+
+def test_a_config_json_that_is_not_json_is_named(tmp_path):
+    from worker_svc.config import ModelConfig
+
+    (tmp_path / "config.json").write_text("{'model_type': 'llama'}")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'} is not valid JSON: Expecting property name"):
+        ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object, got list"):
+        ModelConfig.from_pretrained(tmp_path)

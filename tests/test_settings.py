@@ -93,7 +93,8 @@ def test_the_api_key_defaults_to_its_environment_variable_and_tls_files_go_in_pa
 
 @pytest.mark.parametrize("name, bad", [("max_num_seqs", 0), ("block_size", 12), ("dtype", "int4"),
                                        ("admission_turns", -1), ("api_servers", 0), ("max_model_len", 1),
-                                       ("worker", "gpu"), ("shutdown_timeout", -1.0)])
+                                       ("worker", "gpu"), ("shutdown_timeout", -1.0),
+                                       ("shutdown_timeout", float("nan")), ("device", "gpu")])
 def test_bad_values_are_refused_by_the_flag_and_by_the_object(name, bad, capsys):
     with pytest.raises(ValueError, match=flag_of(FIELDS[name])):
         Settings(**{name: bad})

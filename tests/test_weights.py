@@ -339,3 +339,29 @@ def test_embedded_gguf_converts_once_and_matches_transformers(tmp_path, caplog, 
         assert resolve_model_path(None, cache_dir=cache) == model_dir
     assert time.monotonic() - start < 1.0
     assert "converting" not in caplog.text
+
+
+def test_a_conversion_killed_halfway_is_cleaned_up_by_the_next(tmp_path, monkeypatch):
+    """A conversion or kernel build killed outright leaves its temporary name; the next one in
+    that folder removes those whose process is gone, and leaves a live process's alone."""
+    import subprocess
+    import sys
+
+    from pagewire_common import cache_files
+
+    fake_conversions(monkeypatch)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    left = cache / f".model-0123456789ab.tmp-{dead_pid}-0a1b2c3d"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"\0" * 100)
+    left_so = cache / f".attention-00.tmp-{dead_pid}-0a1b2c3d.so"
+    left_so.write_bytes(b"\0")
+    live = cache_files.temp_path(cache, "other-0123456789ab")  # this process's: still building
+    live.mkdir()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    resolve_model_path(gguf, cache_dir=cache)
+    assert not left.exists() and not left_so.exists() and live.is_dir()

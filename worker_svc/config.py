@@ -129,10 +129,10 @@ class ModelConfig:
         config_file = directory / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {directory}")
-        cfg = json.loads(config_file.read_text())
+        cfg = _read_json(config_file)
         generation_file = directory / "generation_config.json"
         if generation_file.is_file():
-            extra = _token_ids(json.loads(generation_file.read_text()).get("eos_token_id"))
+            extra = _token_ids(_read_json(generation_file).get("eos_token_id"))
             merged = _token_ids(cfg.get("eos_token_id")) + extra
             cfg = {**cfg, "eos_token_id": list(dict.fromkeys(merged))}
         return cls.from_hf_config(cfg)
@@ -239,3 +239,14 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         rope_scaling["original_max_position_embeddings"] = cfg["max_position_embeddings"]
     rope_scaling["rope_type"] = rope_type
     return rope_theta, rope_scaling
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    """A JSON object from a model file; ``ValueError`` naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value

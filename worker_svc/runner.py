@@ -47,8 +47,15 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in fp
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """The ``--device`` setting, or cuda when it is available, else cpu."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """The ``--device`` setting, or cuda when it is available, else cpu; ``ValueError`` for a CUDA
+    device this machine does not have."""
+    resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: this machine has no CUDA device (or torch is a CPU build)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
 
 
 _RANK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -199,6 +206,9 @@ class ModelRunner:
                           int8_activations=config.int8_activations)
         mc: ModelConfig = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        if config.max_model_len and config.max_model_len > mc.max_model_len:
+            log.warning("--max-model-len %d is more than the model's %d positions: serving %d",
+                        config.max_model_len, mc.max_model_len, mc.max_model_len)
         # this rank's KV heads; every rank holds the same block ids, each for its own heads
         num_kv_heads = kv_heads_per_rank(mc.num_kv_heads, tp)
         num_blocks = config.num_kv_blocks
@@ -210,9 +220,16 @@ class ModelRunner:
             num_blocks = tp.min_int(num_blocks)  # what every rank can hold
             if num_blocks < 1:
                 raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {config.block_size} tokens")
-        self.kv_cache = PagedKVCache(
-            mc.num_layers, num_blocks, config.block_size, num_kv_heads, mc.head_dim, self.dtype, self.device
-        )
+        try:
+            self.kv_cache = PagedKVCache(
+                mc.num_layers, num_blocks, config.block_size, num_kv_heads, mc.head_dim, self.dtype, self.device
+            )
+        except (RuntimeError, MemoryError) as e:  # torch's CPU allocator, or CUDA out of memory
+            size = PagedKVCache.bytes_per_block(mc.num_layers, config.block_size, num_kv_heads, mc.head_dim,
+                                                self.dtype) * num_blocks
+            raise ValueError(f"cannot allocate the KV cache ({num_blocks} blocks, {size / 2**30:.1f} GiB) on "
+                             f"{self.device}: {str(e).splitlines()[0]}; give less --kv-cache-memory or "
+                             "--num-kv-blocks") from None
         self.block_size = config.block_size
         max_blocks_per_seq = -(-self.max_model_len // config.block_size)
         self.block_tables = BlockTables(max_blocks_per_seq, self.device)

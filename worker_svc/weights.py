@@ -20,12 +20,11 @@ import pathlib
 import re
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 
 import torch
 
-from pagewire_common import envs
+from pagewire_common import cache_files, envs
 from pagewire_common.settings import default_of
 from worker_svc.config import ModelConfig
 from worker_svc.layers.sources import SafetensorsSource, TensorSource, WeightSource
@@ -131,7 +130,8 @@ def _cached_conversion(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> pat
 
 
 def _convert_into(gguf_path: pathlib.Path, target: pathlib.Path, cache_root: pathlib.Path) -> None:
-    tmp = cache_root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    cache_files.remove_orphans(cache_root)  # what conversions killed halfway left
+    tmp = cache_files.temp_path(cache_root, target.name)
     log.info("converting %s to safetensors in %s (once; later starts load the converted copy)",
              gguf_path.name, target)
     start = time.monotonic()
@@ -163,7 +163,7 @@ def _gguf_digest(gguf_path: pathlib.Path, cache_root: pathlib.Path) -> str:
     with _file_lock(cache_root / f".{GGUF_DIGESTS_FILE}.lock"):
         index = {path: e for path, e in _read_json(index_path).items() if os.path.exists(path)}
         index[str(resolved)] = {"identity": identity, "sha256": digest}
-        tmp = cache_root / f".{GGUF_DIGESTS_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = cache_files.temp_path(cache_root, GGUF_DIGESTS_FILE)
         tmp.write_text(json.dumps(index, indent=1) + "\n")
         os.replace(tmp, index_path)
     return digest
@@ -234,7 +234,7 @@ def _note_gguf_source(target: pathlib.Path, gguf_path: pathlib.Path) -> None:
     file = target / GGUF_SOURCE_FILE
     if _read_json(file) == note:
         return
-    tmp = target / f".{GGUF_SOURCE_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = cache_files.temp_path(target, GGUF_SOURCE_FILE)
     tmp.write_text(json.dumps(note) + "\n")
     os.replace(tmp, file)
 

@@ -18,7 +18,8 @@ import sys
 
 from pagewire.bench.sampling_mix import help_text as mix_help, parse_mixes
 from pagewire.bench.server import BenchError, passthrough_flags
-from pagewire.cli_args import DEFAULT_LISTEN, non_negative_float, non_negative_int, positive_float, positive_int
+from pagewire.cli_args import (DEFAULT_LISTEN, non_negative_float, non_negative_int, positive_float, positive_int,
+                               server_address)
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, add_arguments
 
 BASELINE_NAMES = ("hf", "hf-cb")
@@ -110,7 +111,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("server")
-    g.add_argument("--addr", default=None,
+    g.add_argument("--addr", default=None, type=server_address,
                    help=f"the server to measure (default: {DEFAULT_LISTEN}); with --serve, where the started server "
                    "listens (default then: a free port on 127.0.0.1)")
     g.add_argument("--serve", action="store_true",

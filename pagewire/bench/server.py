@@ -54,6 +54,9 @@ def check_can_listen(addr: str) -> None:
         raise BenchError(f"--addr {addr!r}: {e}") from None
     family, _type, _proto, _name, sockaddr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # as the server binds: connections in TIME_WAIT, left by a server that stopped with clients
+        # connected, do not hold the port (pagewire_common.addresses.check_address_free)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(sockaddr)
         except OSError as e:

@@ -17,7 +17,7 @@ import time
 from grpc_health.v1 import health_pb2
 
 from pagewire_common import step_profile
-from pagewire_common.addresses import check_address_free, describe, http_url
+from pagewire_common.addresses import check_address_free, check_distinct, describe, http_url
 from pagewire_common.settings import Settings
 from pagewire_common.tls import TlsFiles
 from scheduler_svc.api.http_server import start_http
@@ -44,6 +44,7 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         if health_holder and not api.draining:
             loop.create_task(_set())
 
+    check_distinct(listen, settings.http_listen)
     if not reuse_port:
         check_address_free(listen)
         if settings.http_listen != "off":
@@ -79,7 +80,7 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         gc.collect()
         gc.freeze()
         api_log.info("api-server ready on %s%s (pid %d), engine core(s) %s", describe(listen, port),
-                     http_url(settings.http_listen), os.getpid(), core_address)
+                     http_url(settings.http_listen, settings.tls_cert_file is not None), os.getpid(), core_address)
     await stop.wait()
     api.draining = True
     await health_servicer.enter_graceful_shutdown()

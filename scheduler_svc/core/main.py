@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagewire_common import step_profile
-from pagewire_common.addresses import add_port, check_address_free, http_url
+from pagewire_common.addresses import add_port, check_address_free, check_distinct, http_url
 from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
 from pagewire_common.settings import API, PUBLIC, Settings
 from pagewire_common.supervisor import Supervisor, parent_run_dir
@@ -52,6 +52,7 @@ async def run_scheduler(worker_address: str, listen: str | None, settings: Setti
             raise ValueError("a core without API servers (--core-only) needs --core-listen, the address they connect to")
         listen = "(none)"
     else:
+        check_distinct(listen, settings.http_listen)
         listen = check_address_free(listen, wait_s=5.0)
         if settings.http_listen != "off":
             settings = settings.replace(http_listen=check_address_free(settings.http_listen, wait_s=5.0))
@@ -130,7 +131,7 @@ async def run_scheduler(worker_address: str, listen: str | None, settings: Setti
             gc.freeze()  # what exists now lives as long as the process: keep it out of full collections
             if num_api_servers:
                 log.info("scheduler ready on %s%s with %d API server(s), worker %s: %s", listen,
-                         http_url(settings.http_listen), num_api_servers, worker_address, core.worker_info.model_name)
+                         http_url(settings.http_listen, settings.tls_cert_file is not None), num_api_servers, worker_address, core.worker_info.model_name)
             else:
                 log.info("engine core ready on %s, worker %s: %s", core_listen, worker_address,
                          core.worker_info.model_name)
@@ -139,6 +140,8 @@ async def run_scheduler(worker_address: str, listen: str | None, settings: Setti
         log.info("shutting down: no new requests, letting running ones finish")
         # the API servers drain: they refuse new calls and wait for theirs, which the core keeps stepping
         await supervisor.stop(timeout=settings.shutdown_timeout + 5)
+        if not num_api_servers:  # theirs are elsewhere: the core refuses new requests and waits here
+            await core.drain(settings.shutdown_timeout)
         watcher.cancel()
         if core.num_in_flight:
             log.warning("%d requests were still running; cancelled", core.num_in_flight)

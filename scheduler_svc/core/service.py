@@ -58,6 +58,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self._wake = asyncio.Event()
         self._caught_up = asyncio.Event()  # an API server handed on a step's outputs
         self._stopping = False
+        self.draining = False  # shutting down: new requests are refused, running ones go on
         self._task: asyncio.Task | None = None
         self.engine: EngineCore | None = None
         self.worker_info: WorkerInfo | None = None
@@ -100,6 +101,14 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
     @property
     def num_in_flight(self) -> int:
         return sum(len(client.request_ids) for client in self._clients.values())
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests and let the running ones finish, for at most ``timeout`` seconds
+        (a core whose API servers are elsewhere: theirs drain on their own machines)."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.num_in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
 
     @property
     def num_ready_clients(self) -> int:
@@ -266,6 +275,10 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         if engine is None or not self.connected.is_set():
             self.num_rejected += 1
             client.error(request_id, grpc.StatusCode.UNAVAILABLE, "the worker is not connected")
+            return
+        if self.draining:
+            self.num_rejected += 1
+            client.error(request_id, grpc.StatusCode.UNAVAILABLE, "the engine core is shutting down")
             return
         n = add.sampling.n
         if api_server_of(request_id) != client.api_server_id or api_server_of(request_id + n - 1) != client.api_server_id:

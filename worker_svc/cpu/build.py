@@ -21,9 +21,8 @@ import os
 import pathlib
 import shutil
 import subprocess
-import tempfile
 
-from pagewire_common import envs
+from pagewire_common import cache_files, envs
 from worker_svc.cpu import features
 
 log = logging.getLogger("pagewire.worker")
@@ -69,9 +68,9 @@ def build(source: pathlib.Path, compiler: str, flags: list[str], out_dir: pathli
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
+    cache_files.remove_orphans(out_dir)  # what builds killed halfway left
     log.info("building %s with %s (once, into %s)", source.name, compiler, out_dir)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+    tmp = str(cache_files.temp_path(out_dir, target.stem, ".so"))
     try:
         proc = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, check=False)
         if proc.returncode:
