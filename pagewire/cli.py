@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pagewire import __version__
-from pagewire.cli_args import DEFAULT_LISTEN, positive_float, positive_int, server_address
+from pagewire.cli_args import DEFAULT_LISTEN, add_connection_arguments, positive_float, positive_int, server_address
 from pagewire_common import envs, eventloop
 from pagewire_common.logs import LEVELS, setup_logging
 from pagewire_common.settings import API, CORE, PROCESS, PUBLIC, WORKER, Settings, add_arguments
@@ -110,15 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--show-usage", action="store_true", help="print token counts to stderr at the end")
     p.add_argument("--timeout", type=positive_float, default=None, help="deadline in seconds (default: none)")
-    g = p.add_argument_group("connection")
-    g.add_argument("--api-key", default=envs.api_key(), metavar="KEY",
-                   help="send 'authorization: Bearer KEY' with the call, for a server started with --api-key "
-                   "(default: $PAGEWIRE_API_KEY, else none)")
-    g.add_argument("--tls", action="store_true",
-                   help="connect over TLS, trusting the system's certificate authorities")
-    g.add_argument("--tls-ca-file", default=None, metavar="PATH",
-                   help="connect over TLS, trusting the PEM certificate(s) in PATH (a private CA, or the server's "
-                   "self-signed certificate)")
+    add_connection_arguments(p)
 
     from pagewire.bench.cli import add_bench_parser
 

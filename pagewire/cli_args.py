@@ -44,3 +44,18 @@ def server_address(text: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"must be HOST:PORT (a port is 1 to 65535) or unix:PATH, got {text!r}")
     return text
+
+
+def add_connection_arguments(parser) -> None:
+    """The flags of a client of a server started with --api-key or TLS (``ServerAccess``)."""
+    from pagewire_common import envs
+
+    g = parser.add_argument_group("connection")
+    g.add_argument("--api-key", default=envs.api_key(), metavar="KEY",
+                   help="send 'authorization: Bearer KEY' with every call, for a server started with --api-key "
+                   "(default: $PAGEWIRE_API_KEY, else none)")
+    g.add_argument("--tls", action="store_true",
+                   help="connect over TLS, trusting the system's certificate authorities")
+    g.add_argument("--tls-ca-file", default=None, metavar="PATH",
+                   help="connect over TLS, trusting the PEM certificate(s) in PATH (a private CA, or the server's "
+                   "self-signed certificate)")

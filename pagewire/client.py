@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ssl
 import sys
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,28 +27,60 @@ def make_sampling(max_tokens=_DEFAULT.max_tokens, temperature=0.0, top_p=None, t
     return msg
 
 
-def open_channel(addr: str, *, tls: bool = False, tls_ca_file: str | None = None, options=None) -> grpc.Channel:
-    """A channel to a pagewire server: plaintext, or TLS (``tls``: trusting the system's CAs;
-    ``tls_ca_file``: trusting the PEM certificates in that file, e.g. a self-signed one)."""
-    if not tls and tls_ca_file is None:
+@dataclass(frozen=True)
+class ServerAccess:
+    """How a client reaches a server started with ``--api-key`` or TLS (``pagewire generate``'s and
+    ``pagewire bench``'s connection flags): the key it sends, and TLS trusting the system's CAs
+    (``tls``) or the PEM certificates in ``tls_ca_file`` (a private CA, a self-signed certificate)."""
+
+    api_key: str | None = None
+    tls: bool = False
+    tls_ca_file: str | None = None
+
+    @classmethod
+    def from_args(cls, args) -> ServerAccess:
+        return cls(args.api_key, args.tls, args.tls_ca_file)
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.tls_ca_file is not None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata that carries the key."""
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """gRPC's channel credentials, None for plaintext."""
+        if not self.uses_tls:
+            return None
+        roots = None
+        if self.tls_ca_file is not None:
+            with open(self.tls_ca_file, "rb") as f:
+                roots = f.read()
+        return grpc.ssl_channel_credentials(root_certificates=roots)
+
+    def http_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For an HTTPS client: None for plaintext."""
+        return ssl.create_default_context(cafile=self.tls_ca_file) if self.uses_tls else None
+
+
+def open_channel(addr: str, access: ServerAccess = ServerAccess(), options=None) -> grpc.Channel:
+    """A channel to a pagewire server, plaintext or TLS as ``access`` says."""
+    credentials = access.credentials()
+    if credentials is None:
         return grpc.insecure_channel(addr, options=options)
-    roots = None
-    if tls_ca_file is not None:
-        with open(tls_ca_file, "rb") as f:
-            roots = f.read()
-    return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
-
-
-def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    """The call metadata that carries an API key (``--api-key`` on the server)."""
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return grpc.secure_channel(addr, credentials, options=options)
 
 
 def generate_command(args) -> int:
     sampling = make_sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop,
                              ignore_eos=args.ignore_eos)
-    metadata = auth_metadata(args.api_key)
-    with open_channel(args.addr, tls=args.tls, tls_ca_file=args.tls_ca_file) as channel:
+    access = ServerAccess.from_args(args)
+    metadata = access.metadata()
+    with open_channel(args.addr, access) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         if args.chat:
             messages = []

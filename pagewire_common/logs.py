@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LEVELS = ("debug", "info", "warning", "error")
@@ -23,3 +24,28 @@ def setup_logging(level: str = "info") -> None:
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # read by gRPC when it starts
     logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), format=FORMAT, stream=sys.stderr,
                         force=True)
+
+
+class WaitingNote:
+    """Says, at info, that a process is still waiting for a peer it connects to (the worker, the
+    scheduler core): once the wait has lasted ``first_s`` seconds, then every ``every_s``, with the
+    last error. A peer that is merely starting (a model loading) stays quiet; one that is not there
+    at all is named, instead of a process that says nothing."""
+
+    def __init__(self, logger: logging.Logger, peer: str, first_s: float = 10.0, every_s: float = 60.0):
+        self.logger, self.peer, self.first_s, self.every_s = logger, peer, first_s, every_s
+        self._since: float | None = None
+        self._next = 0.0
+
+    def note(self, error: str) -> None:
+        """One more failed attempt."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since, self._next = now, now + self.first_s
+        elif now >= self._next:
+            self._next = now + self.every_s
+            self.logger.info("waiting for %s (%.0f s so far): %s", self.peer, now - self._since, error or "no answer")
+
+    def reset(self) -> None:
+        """Connected (or the wait starts over)."""
+        self._since = None

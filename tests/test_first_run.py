@@ -272,3 +272,31 @@ def test_a_config_json_that_is_not_json_is_named(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="must hold a JSON object, got list"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_a_long_wait_for_a_peer_is_said(monkeypatch, caplog):
+    """A scheduler whose worker does not answer, or an API server whose core does not, says so
+    after a while and then now and again, quiet while a peer is merely starting."""
+    import logging
+
+    from pagewire_common import logs
+
+    clock = [100.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: clock[0])
+    note = logs.WaitingNote(logging.getLogger("pagewire.test"), "the worker at 127.0.0.1:1", first_s=10, every_s=60)
+    with caplog.at_level("INFO", logger="pagewire.test"):
+        for t in (100, 105, 109.9):
+            clock[0] = t
+            note.note("connection refused")
+        assert caplog.messages == []
+        for t in (110, 111, 169, 170.5):
+            clock[0] = t
+            note.note("connection refused")
+        assert caplog.messages == ["waiting for the worker at 127.0.0.1:1 (10 s so far): connection refused",
+                                   "waiting for the worker at 127.0.0.1:1 (70 s so far): connection refused"]
+        note.reset()  # connected: a later wait starts over
+        clock[0] = 500
+        note.note("")
+        clock[0] = 505
+        note.note("")
+        assert len(caplog.messages) == 2

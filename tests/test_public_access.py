@@ -5,6 +5,7 @@ trusts the certificate works, a plaintext one does not)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagewire import LLM, SamplingParams
-from pagewire.client import auth_metadata, open_channel
+from pagewire.client import ServerAccess, open_channel
 from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import generation_pb2 as pb
 from pagewire_common.v1 import generation_pb2_grpc
@@ -161,10 +162,10 @@ def secured(model_dir, tmp_path_factory):
 def test_a_tls_channel_with_the_key_generates_what_the_offline_engine_does(secured, model_dir):
     _serve, addr, cert = secured
     prompt = [5, 6, 7, 8, 9]
-    with open_channel(addr, tls_ca_file=cert) as channel:
+    with open_channel(addr, ServerAccess(tls_ca_file=cert)) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         responses = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(max_tokens=8)),
-                                       metadata=auth_metadata(KEY), timeout=60))
+                                       metadata=ServerAccess(KEY).metadata(), timeout=60))
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(max_tokens=8)), timeout=60))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -218,7 +219,7 @@ def test_the_openai_door_needs_the_key_and_speaks_https_only(secured, model_dir)
     with urllib.request.urlopen(base + "/health", context=trusted, timeout=10) as r:  # no key needed
         assert r.status == 200
     with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext to the HTTPS port
-        urllib.request.urlopen(serve.http_url() + "/health", timeout=10)
+        urllib.request.urlopen(base.replace("https://", "http://") + "/health", timeout=10)
 
 
 @pytest.mark.slow
@@ -245,6 +246,26 @@ def test_the_generate_command_and_the_healthcheck_speak_tls_and_send_the_key(sec
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
     assert run("pagewire_common.healthcheck", addr, "--tls-ca-file", cert).returncode == 0
     assert run("pagewire_common.healthcheck", addr).returncode == 1
+
+
+@pytest.mark.slow
+def test_the_bench_measures_a_server_that_wants_the_key_over_tls(secured, tmp_path, monkeypatch):
+    """Both doors: gRPC over TLS, and the OpenAI door over HTTPS, each with the key."""
+    serve, addr, cert = secured
+    monkeypatch.delenv("PAGEWIRE_API_KEY", raising=False)
+    http_listen = serve.http_url().removeprefix("https://")
+    base = [sys.executable, "-m", "pagewire.cli", "bench", "--addr", addr, "--tls-ca-file", cert,
+            "--num-requests", "4", "--concurrency", "2", "--prompt-len", "8", "--max-new-tokens", "4",
+            "--warmup-runs", "0", "--no-progress", "--backend", "grpc,openai", "--http-listen", http_listen,
+            "--json", str(tmp_path / "bench.json")]
+    ok = subprocess.run([*base, "--api-key", KEY], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    engines = json.loads((tmp_path / "bench.json").read_text())["engines"]
+    for name in ("pagewire", "pagewire-openai"):
+        aggregate = engines[name]["aggregate"]
+        assert (aggregate["num_requests"], aggregate["num_failed"], aggregate["completion_tokens"]) == (4, 0, 16), name
+    refused = subprocess.run([*base, "--connect-timeout", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stdout + refused.stderr
 
 
 def test_bad_tls_files_stop_serve_with_one_line(tmp_path):

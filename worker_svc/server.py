@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagewire_common import eventloop, step_profile, wire
 from pagewire_common.addresses import add_port, check_address_free, describe, peer_name
-from pagewire_common.framelink import FrameListener
+from pagewire_common.framelink import FrameListener, LinkClosed
 from pagewire_common.v1 import worker_pb2, worker_pb2_grpc
 from pagewire_common.wire import TOKENIZER_FILES
 from worker_svc.nvtx import nvtx_range
@@ -105,6 +105,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     plan = self._decode(data)
                     result = await self._run(runner.execute, plan, context)  # inline: nothing else to do
                     self._send(conn, result)
+        except LinkClosed as e:  # the scheduler went away mid-step (it stopped, or died): as a disconnect
+            log.info("the scheduler's link closed: %s", e)
         except GroupFailed as e:  # as for a dead worker: UNAVAILABLE, and the worker stops
             failed = e
             self.on_fatal(str(e))

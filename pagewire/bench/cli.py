@@ -18,8 +18,8 @@ import sys
 
 from pagewire.bench.sampling_mix import help_text as mix_help, parse_mixes
 from pagewire.bench.server import BenchError, passthrough_flags
-from pagewire.cli_args import (DEFAULT_LISTEN, non_negative_float, non_negative_int, positive_float, positive_int,
-                               server_address)
+from pagewire.cli_args import (DEFAULT_LISTEN, add_connection_arguments, non_negative_float, non_negative_int,
+                               positive_float, positive_int, server_address)
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, add_arguments
 
 BASELINE_NAMES = ("hf", "hf-cb")
@@ -129,6 +129,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--server-log", default=None, metavar="PATH",
                    help="with --serve, write the server's output to PATH (default: kept in memory and shown only "
                    "if it fails)")
+
+    add_connection_arguments(p)
 
     g = p.add_argument_group("engine (passed to the server with --serve; used by the baselines)")
     g.add_argument("--model", default=None,

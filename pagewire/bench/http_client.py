@@ -19,6 +19,7 @@ from time import perf_counter
 
 from pagewire.bench.loadgen import LoadResult, ServerUnreachable, drive
 from pagewire.bench.metrics import RequestRecord
+from pagewire.client import ServerAccess
 from pagewire_common.v1 import generation_pb2 as pb
 
 _STATUS_NAMES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 429: "RESOURCE_EXHAUSTED",
@@ -71,12 +72,15 @@ class HttpClient:
     """An asyncio client of one OpenAI-compatible completions server at ``base_url`` (http://HOST:PORT):
     a pagewire server's OpenAI door, or another server on the same requests (llama-server)."""
 
-    def __init__(self, base_url: str, extra_body: dict | None = None, keep_alive: bool = True):
+    def __init__(self, base_url: str, extra_body: dict | None = None, keep_alive: bool = True,
+                 access: ServerAccess = ServerAccess()):
         """``extra_body``: fields added to every request's JSON body (a server's own options).
-        ``keep_alive=False``: a new connection for every request, closed after its response."""
+        ``keep_alive=False``: a new connection for every request, closed after its response.
+        ``access``: the API key to send and the TLS to trust (an https:// ``base_url``)."""
         self.base_url = base_url.rstrip("/")
         self.extra_body = dict(extra_body or {})
         self.keep_alive = keep_alive
+        self.access = access
         self._session = None
 
     async def _open(self):
@@ -84,9 +88,11 @@ class HttpClient:
 
         if self._session is None:
             # no pooling limit: each concurrent stream needs a connection of its own
+            ssl_context = self.access.ssl_context()
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive),
-                timeout=aiohttp.ClientTimeout(total=None))
+                connector=aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive,
+                                               ssl=ssl_context if ssl_context is not None else True),
+                timeout=aiohttp.ClientTimeout(total=None), headers=self.access.http_headers())
         return self._session
 
     async def close(self) -> None:

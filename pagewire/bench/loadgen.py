@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import grpc
 
+from pagewire.client import ServerAccess
 from pagewire_common import eventloop
 from pagewire.bench.metrics import RequestRecord
 from pagewire_common.v1 import generation_pb2 as pb
@@ -121,25 +122,49 @@ def build_requests(
     return out
 
 
+class _AddMetadata:
+    """Adds ``metadata`` (the API key) to a channel's calls. A channel files each interceptor under
+    the first kind of call it serves, so each kind has a class of its own."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self.metadata = metadata
+
+    def _with(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, (*(details.metadata or ()), *self.metadata),
+                                          details.credentials, details.wait_for_ready)
+
+
+class _UnaryMetadata(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._with(details), request)
+
+
+class _StreamMetadata(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._with(details), request)
+
+
 class Client:
     """An asyncio client of one pagewire server: its streams spread round-robin over
     ``connections`` TCP connections (the kernel hands each connection to one of the server's API
     servers, so one connection would measure one API server)."""
 
-    def __init__(self, addr: str, connections: int = 1):
+    def __init__(self, addr: str, connections: int = 1, access: ServerAccess = ServerAccess()):
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
         self.addr = addr
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # a connection of its own, not one shared with the other channels to addr
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        # the key rides on every call (a server started with --api-key); no interceptor without one
+        interceptors = [_UnaryMetadata(access.metadata()), _StreamMetadata(access.metadata())] if access.api_key else None
+        credentials = access.credentials()
         self.channels = [
-            grpc.aio.insecure_channel(
-                addr,
-                options=[
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                    # a connection of its own, not one shared with the other channels to addr
-                    ("grpc.use_local_subchannel_pool", 1),
-                ],
-            )
+            grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors) if credentials is None
+            else grpc.aio.secure_channel(addr, credentials, options=options, interceptors=interceptors)
             for _ in range(connections)
         ]
         self.channel = self.channels[0]
@@ -281,11 +306,11 @@ class _Counter:
             self.value.value += n
 
 
-def _client_process(conn, addr: str, counter, connections: int = 1) -> None:
+def _client_process(conn, addr: str, counter, connections: int = 1, access: ServerAccess = ServerAccess()) -> None:
     """Body of one client process: connect, then run the shards the parent sends until ``None``."""
 
     async def serve() -> None:
-        client = Client(addr, connections)
+        client = Client(addr, connections, access)
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(client.channel.channel_ready(), 30)
@@ -325,7 +350,8 @@ class ClientPool:
     send times, so together they make the same schedule. All start at one ``perf_counter()``
     instant (a shared monotonic clock), so their timestamps are comparable."""
 
-    def __init__(self, addr: str, num_processes: int, ready_timeout: float = 60.0, connections: int = 1):
+    def __init__(self, addr: str, num_processes: int, ready_timeout: float = 60.0, connections: int = 1,
+                 access: ServerAccess = ServerAccess()):
         if num_processes < 2:
             raise ValueError("a ClientPool needs at least 2 processes (use Client for one)")
         # spawn, not fork: a forked gRPC runtime is not safe to use
@@ -335,7 +361,7 @@ class ClientPool:
         self.procs = []
         for k in range(num_processes):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_client_process, args=(child_end, addr, self.counter, connections),
+            proc = ctx.Process(target=_client_process, args=(child_end, addr, self.counter, connections, access),
                                name=f"pagewire-bench-client-{k}", daemon=True)
             proc.start()
             child_end.close()

@@ -142,11 +142,12 @@ class Bench:
         from pagewire.bench.loadgen import Client, ClientPool, ServerUnreachable, build_requests
         from pagewire.bench.procs import cpu_by_role
         from pagewire.bench.sampling_mix import apply_mix
-        from pagewire.client import make_sampling
+        from pagewire.client import ServerAccess, make_sampling
 
         args = self.args
-        client = Client(addr, args.connections)
-        http = HttpClient(self.http_url()) if "openai" in args.backend else None
+        access = ServerAccess.from_args(args)
+        client = Client(addr, args.connections, access)
+        http = HttpClient(self.http_url(), access=access) if "openai" in args.backend else None
         pool = None
         try:
             try:
@@ -156,7 +157,7 @@ class Bench:
                 if args.client_processes > 1:
                     pool = await asyncio.get_running_loop().run_in_executor(
                         None, ClientPool, addr, args.client_processes, 60.0,
-                        max(1, args.connections // args.client_processes),
+                        max(1, args.connections // args.client_processes), access,
                     )
             except ServerUnreachable as e:
                 raise BenchError(str(e)) from None
@@ -244,7 +245,10 @@ class Bench:
     def http_url(self) -> str:
         from pagewire_common.settings import default_of
 
-        return "http://" + (self.args.http_listen or default_of("http_listen"))
+        from pagewire.client import ServerAccess
+
+        scheme = "https://" if ServerAccess.from_args(self.args).uses_tls else "http://"
+        return scheme + (self.args.http_listen or default_of("http_listen"))
 
     def check_model_matches(self) -> None:
         info = self.model_info

@@ -26,6 +26,7 @@ from pagewire_common.core_messages import (
 )
 from pagewire_common.eventloop import Outbox
 from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
+from pagewire_common.logs import WaitingNote
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.api.request import ApiRequest, Failure, NotReadyError
@@ -213,6 +214,7 @@ class CoreLink:
 
     async def _run(self) -> None:
         backoff = 0.2
+        waiting = WaitingNote(log, f"the scheduler core at {self.core_address}")
         while not self._stopping:
             try:
                 await self._serve_link()
@@ -221,6 +223,10 @@ class CoreLink:
                 raise
             except (grpc.RpcError, LinkClosed) as e:
                 log.debug("core link %s: %s", self.core_address, e)
+                if self.core_connected:
+                    waiting.reset()  # it was up: the wait starts now
+                else:
+                    waiting.note(e.details() if isinstance(e, grpc.RpcError) else str(e))
             except Exception:
                 log.exception("core link %s failed", self.core_address)
             self._link_lost("the scheduler core is unavailable" if self.server.num_cores == 1

@@ -24,6 +24,7 @@ from pagewire_common.addresses import peer_name
 from pagewire_common.core_messages import AbortReply, BadRequest, CoreOutputs, CoreRequests, NewRequest, api_server_of
 from pagewire_common.framelink import FrameListener, LinkClosed
 from pagewire_common.kv_events import KVEventBatch
+from pagewire_common.logs import WaitingNote
 from pagewire_common.requests import FinishReason
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
@@ -59,6 +60,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self._caught_up = asyncio.Event()  # an API server handed on a step's outputs
         self._stopping = False
         self.draining = False  # shutting down: new requests are refused, running ones go on
+        self._last_connect_error = ""
         self._task: asyncio.Task | None = None
         self.engine: EngineCore | None = None
         self.worker_info: WorkerInfo | None = None
@@ -335,11 +337,14 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
 
     async def _run(self) -> None:
         backoff = 0.2
+        waiting = WaitingNote(log, f"the worker at {self.worker_address}")
         while not self._stopping:
             if not self.connected.is_set():
                 if await self._connect():
                     backoff = 0.2
+                    waiting.reset()
                 else:
+                    waiting.note(self._last_connect_error)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
                 continue
@@ -359,6 +364,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             await self._link.open()
         except WorkerLinkError as e:
             log.debug("worker not reachable: %s", e)
+            self._last_connect_error = str(e)
             return False
         files = dict(info.tokenizer_files)
         eos_id = wire.tokenizer_eos_token_id(files)
