@@ -397,3 +397,40 @@ def test_abort_by_request_id_reaches_the_stream_on_either_api_server(served):
     again = list(own_stub(addr).Generate(pb.GenerateRequest(request_id=names[0], prompt_token_ids=[5, 6, 7],
                                                             sampling=sampling(max_tokens=4)), timeout=30))
     assert sum(len(r.token_ids) for r in again) == 4
+
+
+@pytest.mark.slow
+def test_requests_cut_off_at_shutdown_say_why(model_dir, tmp_path):
+    """Past --shutdown-timeout the requests still running end UNAVAILABLE with a message that
+    names the timeout, not gRPC's "Cancelling all calls"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", addr, "--api-servers", "1", "--max-num-seqs", "1",
+                  "--shutdown-timeout", "0.5", *ENGINE], tmp_path / "serve.log")
+    try:
+        serve.wait_for_output("pagewire ready", timeout=120)
+        channel = grpc.insecure_channel(addr)
+        stub_ = generation_pb2_grpc.GenerationStub(channel)
+
+        def one(i):
+            try:
+                list(stub_.Generate(pb.GenerateRequest(prompt_token_ids=[5 + i, 6, 7], sampling=sampling(
+                    max_tokens=240, ignore_eos=True)), timeout=60))
+                return "ok"
+            except grpc.RpcError as e:
+                return e.code(), e.details()
+
+        with ThreadPoolExecutor(8) as pool:  # one runs at a time: most are still queued at the deadline
+            futures = [pool.submit(one, i) for i in range(8)]
+            wait_until(lambda: stub_.GetStats(pb.StatsRequest()).num_waiting >= 4, timeout=30, interval=0.01)
+            serve.signal(signal.SIGTERM)
+            results = [f.result(timeout=60) for f in futures]
+        channel.close()
+        cut = [r for r in results if r != "ok"]
+        assert cut and all(r == (grpc.StatusCode.UNAVAILABLE, "the server is shutting down: the request did not "
+                                 "finish within --shutdown-timeout (0.5 s)") for r in cut), results
+        assert serve.proc.wait(30) == 0
+    finally:
+        serve.stop(30)

@@ -166,6 +166,13 @@ class CoreLink:
             self._out.abort_ids.append(request_id)
             self._flush_wanted.set()
 
+    def fail_pending(self, code: grpc.StatusCode, message: str) -> None:
+        """End every request in flight here: aborted in the core, failed to its client with ``code``."""
+        for request_id, pending in list(self.pending.items()):
+            self.abort(request_id)
+            pending.outbox.put_nowait(Failure(code, message))
+        self.flush()
+
     def flush(self) -> None:
         """Send what is queued for the core now."""
         if self._session is None or not self._has_queued():

@@ -89,6 +89,9 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
         await asyncio.sleep(0.05)
     if api.num_pending:
         api_log.warning("%d requests still running after %.0fs; cancelling them", api.num_pending, settings.shutdown_timeout)
+        # each call ends with this, within the servers' grace below, rather than gRPC's "Cancelling all calls"
+        api.fail_pending(f"the server is shutting down: the request did not finish within --shutdown-timeout "
+                         f"({settings.shutdown_timeout:g} s)")
     if http_runner is not None:
         await http_runner.cleanup()
     await stop_servers(servers, grace=1.0)

@@ -89,6 +89,11 @@ class ApiServer:
         """Requests (samples) in flight on every core."""
         return sum(len(link.pending) for link in self.links)
 
+    def fail_pending(self, message: str) -> None:
+        """End every request in flight on every core with UNAVAILABLE and ``message`` (shutdown)."""
+        for link in self.links:
+            link.fail_pending(grpc.StatusCode.UNAVAILABLE, message)
+
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
