@@ -210,7 +210,8 @@ async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) 
         if model_name is not None:
             supervisor.mark_ready("worker")
             supervisor.mark_ready("scheduler")
-            log.info("pagewire ready: serving %s on %s%s", model_name, listen, http_url(settings.http_listen, settings.tls_cert_file is not None))
+            log.info("pagewire ready: serving %s on %s%s", model_name, listen,
+                     http_url(settings.http_listen, settings.tls_cert_file is not None))
         await stop.wait()
     finally:
         watcher.cancel()

@@ -121,9 +121,9 @@ class SamplingParams:
         validate_stop(self.stop)
         for t in self.stop_token_ids:
             if not 0 <= t <= MAX_UINT32:
-                raise ValueError(f"stop_token_ids must be token ids >= 0, got {t}")
+                raise ValueError(f"stop_token_ids must be token ids in [0, {MAX_UINT32}], got {t}")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_UINT32:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise ValueError(f"n must be an integer in [1, {MAX_UINT32}], got {self.n!r}")
         if not (0.0 <= self.min_p <= 1.0):  # also false for NaN
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if not (0.0 < self.repetition_penalty < math.inf):

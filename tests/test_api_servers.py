@@ -235,8 +235,8 @@ def test_killing_the_core_restarts_it_with_new_api_servers(model_dir, offline, t
     port = free_port()
     addr = f"127.0.0.1:{port}"
     tmp = tempfile.mkdtemp(prefix="pw-core-")  # every temp folder of the tree (short: unix socket paths)
-    serve = Proc(["serve", "--model", str(model_dir), "--listen", addr, "--api-servers", "2", *ENGINE], tmp_path / "serve.log",
-                 env=dict(os.environ, TMPDIR=tmp))
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", addr, "--api-servers", "2", *ENGINE],
+                 tmp_path / "serve.log", env=dict(os.environ, TMPDIR=tmp))
     try:
         serve.wait_for_output("pagewire ready", timeout=120)
         (core,) = [pid for pid, argv in descendants(serve.proc.pid) if _role(argv) == "scheduler"]

@@ -133,7 +133,8 @@ def test_bad_addresses_and_layouts_fail_at_once_in_one_line(argv, message, model
     out = run_cli(*argv[:1], "--model", str(model_dir), *argv[1:])
     assert out.returncode == 2, out.stdout + out.stderr
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pagewire: error: ") and message.replace("{port}", port) in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("pagewire: error: "), lines
+    assert message.replace("{port}", port) in lines[0], lines
 
 
 def test_a_bad_log_level_in_the_environment_is_a_usage_error():

@@ -160,7 +160,8 @@ class Client:
             ("grpc.use_local_subchannel_pool", 1),
         ]
         # the key rides on every call (a server started with --api-key); no interceptor without one
-        interceptors = [_UnaryMetadata(access.metadata()), _StreamMetadata(access.metadata())] if access.api_key else None
+        metadata = access.metadata()
+        interceptors = [_UnaryMetadata(metadata), _StreamMetadata(metadata)] if metadata else None
         credentials = access.credentials()
         self.channels = [
             grpc.aio.insecure_channel(addr, options=options, interceptors=interceptors) if credentials is None

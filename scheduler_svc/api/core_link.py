@@ -196,7 +196,8 @@ class CoreLink:
 
     def _has_queued(self) -> bool:
         out = self._out
-        return bool(out.encoded_adds or out.adds or out.abort_ids or out.stop_ids or out.abort_names or out.num_rejected or out.ready
+        return bool(out.encoded_adds or out.adds or out.abort_ids or out.stop_ids or out.abort_names or out.num_rejected
+                    or out.ready
                     or self._num_outputs_done != self._num_outputs_acked or out.kv_events is not None)
 
     async def _write_loop(self) -> None:

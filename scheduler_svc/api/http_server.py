@@ -2,9 +2,9 @@
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or not),
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize`` and ``GET /metrics``.
-Every request goes through ``check_request`` and ``submit_request``, as gRPC's do: one place says what is valid, and a
-refusal carries a gRPC status that maps to the HTTP one (400, 429, 503...). Streamed responses
-send their headers once the first tokens (or the refusal) are known, so a full queue is a 429,
+Every request goes through ``check_request`` and ``submit_request``, as gRPC's do: one place says
+what is valid, and a refusal carries a gRPC status that maps to the HTTP one (400, 429, 503...);
+an unknown model is 404, as OpenAI answers. Streamed responses send their headers once the first tokens (or the refusal) are known, so a full queue is a 429,
 not an error inside a 200 stream. A client that disconnects cancels its handler, which aborts its
 requests in the core.
 

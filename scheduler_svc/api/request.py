@@ -222,7 +222,8 @@ def submit_request(api: ApiServer, checked: CheckedRequest) -> ApiRequest:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
     except ValueError as e:  # a value the checks let through but the core's message cannot carry
         api.reject()
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"the request cannot be sent to the engine core: {e}") from None
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"the request cannot be sent to the engine core: {e}") from None
 
 
 async def _check(api, request_id, sampling, sampling_error, prompt, ids, messages, model_name,

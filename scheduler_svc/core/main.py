@@ -131,7 +131,8 @@ async def run_scheduler(worker_address: str, listen: str | None, settings: Setti
             gc.freeze()  # what exists now lives as long as the process: keep it out of full collections
             if num_api_servers:
                 log.info("scheduler ready on %s%s with %d API server(s), worker %s: %s", listen,
-                         http_url(settings.http_listen, settings.tls_cert_file is not None), num_api_servers, worker_address, core.worker_info.model_name)
+                         http_url(settings.http_listen, settings.tls_cert_file is not None), num_api_servers,
+                         worker_address, core.worker_info.model_name)
             else:
                 log.info("engine core ready on %s, worker %s: %s", core_listen, worker_address,
                          core.worker_info.model_name)
