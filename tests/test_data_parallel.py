@@ -130,6 +130,16 @@ def generate(api_stub, prompts, max_tokens=16, **kw) -> list[list[int]]:
         return list(pool.map(one, prompts))
 
 
+def long_request(api_stub, prompt: list[int]) -> tuple:
+    """240 tokens for ``prompt``: ("ok", tokens, finish reason), or (status code, details)."""
+    try:
+        responses = list(api_stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(
+            max_tokens=240, ignore_eos=True))))
+        return "ok", sum(len(r.token_ids) for r in responses), responses[-1].finish_reason
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
 def shared_prefix_prompts(model_dir, n: int, groups: int) -> list[list[int]]:
     """``n`` prompts: one of ``groups`` 40-token prefixes each (in turn), then 1-3 tokens of their own."""
     windows = sample_prompts(model_dir, lengths=[60] * groups, seed=7)
@@ -186,24 +196,13 @@ def test_a_dead_core_fails_only_its_requests_and_rejoins(cores, model_dir, tmp_p
     api = ApiServerProc(addresses, tmp_path, "round-robin")
     try:
         prompts = [[20 + i, 30 + i, 40 + i] for i in range(12)]
-        results: list = [None] * len(prompts)
-
-        def one(i):
-            try:
-                responses = list(api.stub.Generate(pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=sampling(
-                    max_tokens=240, ignore_eos=True))))
-                results[i] = ("ok", sum(len(r.token_ids) for r in responses), responses[-1].finish_reason)
-            except grpc.RpcError as e:
-                results[i] = (e.code(), e.details())
-
         pool = ThreadPoolExecutor(len(prompts))
-        futures = [pool.submit(one, i) for i in range(len(prompts))]
+        futures = [pool.submit(long_request, api.stub, p) for p in prompts]
         wait_until(lambda: all(core_stats(a).num_running == 6 for a in addresses), timeout=20, interval=0.01)
         # core 1's engine core process dies hard; its worker and core 0 go on
         engine_core = next(pid for pid, argv in descendants(procs[1].proc.pid) if " scheduler " in argv)
         os.kill(engine_core, signal.SIGKILL)
-        for f in futures:
-            f.result(timeout=60)
+        results = [f.result(timeout=60) for f in futures]
         pool.shutdown()
         # round robin from one API server: 6 requests on each core; core 0's finish, core 1's fail
         ok = [r for r in results if r[0] == "ok"]
@@ -261,22 +260,11 @@ def test_sigterm_to_a_core_lets_its_running_requests_finish(model_dir, tmp_path)
     api = ApiServerProc([address], tmp_path)
     try:
         prompts = [[20 + i, 30 + i, 40 + i] for i in range(8)]
-        results: list = [None] * len(prompts)
-
-        def one(i):
-            try:
-                responses = list(api.stub.Generate(pb.GenerateRequest(prompt_token_ids=prompts[i], sampling=sampling(
-                    max_tokens=240, ignore_eos=True))))
-                results[i] = ("ok", sum(len(r.token_ids) for r in responses), responses[-1].finish_reason)
-            except grpc.RpcError as e:
-                results[i] = (e.code(), e.details())
-
         with ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(one, i) for i in range(len(prompts))]
+            futures = [pool.submit(long_request, api.stub, p) for p in prompts]
             wait_until(lambda: core_stats(address).num_running == len(prompts), timeout=20, interval=0.01)
             core.signal(signal.SIGTERM)
-            for f in futures:
-                f.result(timeout=60)
+            results = [f.result(timeout=60) for f in futures]
         assert results == [("ok", 240, pb.LENGTH)] * len(prompts)
         assert core.proc.wait(30) == 0
         assert "still running; cancelled" not in core.output()
