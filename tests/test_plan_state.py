@@ -70,6 +70,26 @@ def test_a_bad_block_id_is_named_and_the_sequence_not_added():
     assert isinstance(s.scheduled(StepPlan(5)).seq_lens, np.ndarray)
 
 
+def test_a_step_after_new_sequences_has_a_version_of_its_own():
+    """New sequences come first in their step's rows; the next step, with the same running ids and
+    none new, has other rows under the same running group, so the runner's caches keyed by the
+    version (the sampled rows' parameters) must not take it for the same list."""
+    s = states(num_kv_blocks=16, max_blocks_per_seq=4)
+    s.apply(first := StepPlan(1, new_seqs=[new_seq(1, [5, 6], [0], 1), new_seq(2, [7, 8], [1], 1)]))
+    s.scheduled(first).advance()
+    plan = StepPlan(2, new_seqs=[new_seq(3, [9, 9, 9], [2], 2)], running_seqs=[RunningSequence(1, 1), RunningSequence(2, 1)])
+    s.apply(plan)
+    with_new = s.scheduled(plan)
+    assert [st for st in with_new.states] == [s.get(3), s.get(1), s.get(2)]
+    for st in with_new.states:
+        st.token_ids.append(0)
+    with_new.advance()
+    plan = StepPlan(3, running_seqs=[RunningSequence(1, 1), RunningSequence(2, 1)])
+    s.apply(plan)
+    after = s.scheduled(plan)
+    assert after.states == [s.get(1), s.get(2)] and after.version != with_new.version
+
+
 def test_kept_running_rows_match_a_fresh_lookup_over_random_plans():
     """The running rows are looked up once and kept while the plan's ids stay the same: over
     random plans (drops, readmissions under the same id, decodes, chunks) every step's batch is
@@ -115,7 +135,7 @@ def test_kept_running_rows_match_a_fresh_lookup_over_random_plans():
         assert batch.sampled == [i for i, (st, e) in enumerate(zip(expected, ends)) if e == len(st.token_ids)]
         assert batch.num_blocks.tolist() == [int(s.tables.num_blocks[st.row]) for st in expected]
         if batch.version == last_version:  # same version: the same states in the same order as last step
-            assert all(a is b for a, b in zip(batch.states, last_states))
+            assert len(batch.states) == len(last_states) and all(a is b for a, b in zip(batch.states, last_states))
         last_version, last_states = batch.version, list(batch.states)
         batch.advance()
         for i in batch.sampled:  # "sample" a token for the sequences that reached their end

@@ -230,6 +230,19 @@ def test_min_tokens_holds_stop_strings_back_as_well(model_dir):
     assert held.text.startswith(first) and full.text.startswith(held.text)
 
 
+def test_a_step_after_a_fork_samples_each_row_with_its_own_parameters(model_dir):
+    """Two tokens a step: A's n=2 prompt, then its fork (left out of the next step by the budget)
+    beside greedy B. B once took the parameters of the step before's rows (A at temperature 5),
+    and with logprobs the engine failed (an IndexError in delivery)."""
+    a, b = [100, 101, 102], [249, 99, 217]
+    alone = LLM(model_dir, block_size=16, num_kv_blocks=64).generate([b], SamplingParams(temperature=0, max_tokens=1))
+    for seed in range(4):
+        llm = LLM(model_dir, block_size=16, num_kv_blocks=64, max_num_batched_tokens=2)
+        outs = llm.generate([a, b], [SamplingParams(temperature=5.0, seed=seed, max_tokens=4, n=2),
+                                     SamplingParams(temperature=0, max_tokens=1, logprobs=True)])
+        assert outs[1].token_ids == alone[0].token_ids and len(outs[1].logprobs) == 1, seed
+
+
 # ---- n samples --------------------------------------------------------------------------------
 
 

@@ -218,7 +218,12 @@ class SequenceStates:
         if (seq_lens > num_blocks * self.block_size).any():
             raise ValueError(f"step {plan.step_id}: a sequence has too few blocks for its tokens")
         sampled = np.flatnonzero(seq_lens == known).tolist()
-        return ScheduledSeqs(list(seq_ids), states, query_lens, seq_lens, sampled, rows, num_blocks, self.version)
+        version = self.version
+        if new_states:
+            # the next step's rows are the running group alone, without these first: another list
+            # of states under the same running group, so it must not share this step's version
+            self.version += 1
+        return ScheduledSeqs(list(seq_ids), states, query_lens, seq_lens, sampled, rows, num_blocks, version)
 
 
 def _check_block_ids(block_ids, num_kv_blocks: int, step_id: int) -> None:
