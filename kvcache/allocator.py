@@ -104,8 +104,16 @@ class BlockAllocator:
         # Chained hashes of the sequence's first blocks, computed whether or not they were
         # registered (a duplicate stays unhashed but its hash is still the next block's parent).
         self._seq_block_hashes: dict[int, list[int]] = {}
+        # blocks whose hash was registered for the plan being built (``cache_blocks``, until
+        # ``begin_plan``): their K/V is written by that plan's step, after the copies it carries
+        self._written_by_this_plan: set[int] = set()
         if self._kv_events is not None:
             self._kv_events[:] = [AllBlocksCleared()]  # what was recorded before no longer matters
+
+    def begin_plan(self) -> None:
+        """A new step plan is being built: the blocks registered for the plan before are written
+        by a step that runs before this one's block copies."""
+        self._written_by_this_plan.clear()
 
     # ---- KV events ----------------------------------------------------------------------
     def record_kv_events(self, on: bool) -> None:
@@ -267,10 +275,14 @@ class BlockAllocator:
             return num_matched_tokens - 1  # the last token is recomputed for its logits
         return num_matched_tokens
 
-    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int,
+                     written_by_this_plan: bool = False) -> None:
         """Register hashes for the sequence's not-yet-hashed full blocks that lie entirely within
         the first ``num_computed_tokens`` of ``token_ids`` (all of the sequence's tokens).
-        O(new blocks) per call. A hash already mapped to another block keeps that mapping."""
+        O(new blocks) per call. A hash already mapped to another block keeps that mapping.
+        ``written_by_this_plan``: those tokens are computed by the step of the plan being built
+        (the scheduler counts them before the step runs): until ``begin_plan``, a prompt this plan
+        admits does not copy such a block (``allocate``)."""
         if not self.enable_prefix_caching:
             return
         block_ids = self._blocks_of(seq_id)
@@ -290,6 +302,8 @@ class BlockAllocator:
             if block_hashes[block_id] is None and block_hash not in hash_to_block:
                 block_hashes[block_id] = block_hash
                 hash_to_block[block_hash] = block_id
+                if written_by_this_plan:
+                    self._written_by_this_plan.add(block_id)
                 if self._kv_events is not None:
                     self._record_stored(block_hash, parent_hash, token_ids, block_index)
             parent_hash = block_hash
@@ -313,6 +327,12 @@ class BlockAllocator:
             raise ValueError("token_ids is empty")
         matched_block_ids, matched_hashes = self._match_prefix(token_ids) if use_prefix_cache else ([], [])
         num_matched_tokens = len(matched_block_ids) * self.block_size
+        if num_matched_tokens == len(token_ids) and matched_block_ids[-1] in self._written_by_this_plan:
+            # every token is cached, but the last block's K/V is written by the step being planned,
+            # after that plan's copies: copied now it would be unwritten, so it is computed again
+            matched_block_ids.pop()
+            matched_hashes.pop()
+            num_matched_tokens -= self.block_size
         num_fresh = self.num_blocks_for(len(token_ids)) - len(matched_block_ids)
         cow_src = None
         if matched_block_ids and num_matched_tokens == len(token_ids):

@@ -564,3 +564,22 @@ def test_import_loads_neither_torch_nor_numpy():
     code = 'import sys, kvcache.allocator; assert "torch" not in sys.modules and "numpy" not in sys.modules'
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)
+
+
+def test_no_copy_of_a_block_the_plan_being_built_writes():
+    """A prompt whose every block is cached copies its last block before computing its last
+    token; a block registered for the plan being built is written by that plan's step, after its
+    copies, so it is left out of the match (computed again) until the next plan."""
+    alloc = BlockAllocator(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(8))
+    alloc.begin_plan()
+    first = alloc.allocate(1, prompt)
+    alloc.cache_blocks(1, prompt, 8, written_by_this_plan=True)  # the step being planned computes both blocks
+    same_plan = alloc.allocate(2, prompt)
+    assert same_plan.num_cached_tokens == 4 and same_plan.copies == []
+    # the first block is shared (that step writes it before any row attends to it); the second is its own
+    assert same_plan.block_ids[0] == first.block_ids[0] and same_plan.block_ids[1] != first.block_ids[1]
+    alloc.begin_plan()  # a later plan: both blocks are written by then
+    later = alloc.allocate(3, prompt)
+    assert later.num_cached_tokens == 7 and len(later.copies) == 1
+    alloc.check_integrity()

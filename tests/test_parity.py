@@ -102,6 +102,30 @@ def test_prefix_cache_gives_same_outputs_and_reports_hits(tiny_model_dir):
     assert_all_free(llm)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_prompt_cached_by_the_same_step_is_not_copied_unwritten(block_size, tiny_model_dir):
+    """Duplicates of a whole-block prompt, and a whole-block prefix of another prompt, in one call:
+    the later ones find every block cached by the step that computes the first. That step writes
+    those blocks after its block copies, so the last block is computed again, not copied."""
+    model_dir = tiny_model_dir("llama-gqa")
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    long = list(range(100, 100 + 2 * block_size + 5))
+    prompts = [long[: 2 * block_size], long[: 2 * block_size], long, long[: 2 * block_size]]
+    for overlap in (True, False):
+        llm = LLM(model_dir, block_size=block_size, num_kv_blocks=256, overlap=overlap)
+        alone = [llm.generate([p], sp)[0].token_ids for p in prompts[2:3] + prompts[:1]]
+        llm = LLM(model_dir, block_size=block_size, num_kv_blocks=256, overlap=overlap)
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [alone[1], alone[1], alone[0], alone[1]], overlap
+        assert outs[1].num_cached_tokens == block_size  # all but the block written by the same step
+        assert_all_free(llm)
+        # a later call finds every block written: the whole-block prompt copies its last block
+        copies = llm.runner.num_block_copies
+        (again,) = llm.generate([prompts[0]], sp)
+        assert again.token_ids == alone[1] and again.num_cached_tokens == 2 * block_size - 1
+        assert llm.runner.num_block_copies == copies + 1
+
+
 def test_preemption_outputs_equal_reference(tiny_model_dir):
     model_dir = tiny_model_dir("gpt2")
     prompts = [p for p in sample_prompts(model_dir, n=10) if len(p) <= 50][:8]

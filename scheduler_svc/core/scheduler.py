@@ -164,6 +164,7 @@ class Scheduler:
         prompts), then forked samples, then waiting sequences, first come first served."""
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
+        self.allocator.begin_plan()
         self.batch.recycle()
         tokens = self.config.max_num_batched_tokens
         # prompt tokens (chunks and admissions) this step may carry: the whole budget, unless
@@ -280,7 +281,7 @@ class Scheduler:
             num_known = num_tokens - num_pending
             num_offered = computed if computed < num_known else num_known
             if num_offered // self._block_size > batch.hashed[slot]:
-                self.allocator.cache_blocks(seq.seq_id, seq.token_ids, num_offered)
+                self.allocator.cache_blocks(seq.seq_id, seq.token_ids, num_offered, written_by_this_plan=True)
                 batch.hashed[slot] = num_offered // self._block_size
 
     def _admit(self, plan: StepPlan, budget: StepBudget) -> None:
