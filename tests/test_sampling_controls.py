@@ -246,6 +246,22 @@ def test_a_step_after_a_fork_samples_each_row_with_its_own_parameters(model_dir)
 # ---- n samples --------------------------------------------------------------------------------
 
 
+def test_a_stop_string_on_sample_0_leaves_the_samples_it_did_not_fork_running(tiny_model_dir):
+    """Two KV blocks hold one sample at a time, so samples 1-3 wait for sample 0 to fork them;
+    a stop string that ends sample 0 first once ended them too, silently (no output: offline an
+    AttributeError, served a stream that never ended). They run on their own, as after EOS."""
+    llm = LLM(tiny_model_dir("gpt2"), block_size=16, num_kv_blocks=2)
+    prompt = [19, 70, 41, 21, 383, 8]
+    (plain,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=21))
+    stop = llm.tokenizer.decode(plain.token_ids[1:3])[:2]
+    (single,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=21, stop=[stop]))
+    assert single.finish_reason == "stop"
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=21, n=4, stop=[stop]))
+    assert [(s.token_ids, s.finish_reason) for s in out.samples] == [(single.token_ids, "stop")] * 4
+    assert llm.engine.is_idle() and llm.engine.allocator.num_free_blocks == 2
+    llm.engine.allocator.check_integrity()
+
+
 def test_n_samples_share_the_prompt_blocks_then_sample_on_their_own(model_dir):
     llm = LLM(model_dir, block_size=4, max_num_batched_tokens=64, num_kv_blocks=200)
     engine, allocator = DrivenEngine(llm.engine, llm.runner), llm.allocator

@@ -149,8 +149,8 @@ class EngineCore:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return False
-        for sample in seq.unforked_samples:  # aborted before its prompt was computed
-            self._end(sample.seq_id, reason)
+        # the samples it has not forked yet are requests of their own: each ends when its id does
+        # (the API servers abort every sample's id), and until then runs alone (Scheduler.finish)
         self.scheduler.finish(seq, reason)
         if reason is FinishReason.ABORT:
             self.num_aborted += 1
