@@ -301,3 +301,28 @@ def test_a_long_wait_for_a_peer_is_said(monkeypatch, caplog):
         clock[0] = 505
         note.note("")
         assert len(caplog.messages) == 2
+
+
+def test_bench_serve_takes_a_port_left_in_time_wait_and_clients_check_their_addresses(capsys):
+    """bench --serve binds its check as the server binds (SO_REUSEADDR); generate and bench
+    refuse an address whose port would wrap around, and generate a deadline that is not > 0."""
+    from pagewire.bench.server import check_can_listen
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        addr = f"127.0.0.1:{listener.getsockname()[1]}"
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        accepted.close()  # the server side closes first: its end goes to TIME_WAIT
+        client.close()
+    check_can_listen(addr)
+    parser = build_parser()
+    for argv, message in ((["generate", "x", "--addr", "127.0.0.1:70000"], "a port is 1 to 65535"),
+                          (["bench", "--addr", "127.0.0.1:70000"], "a port is 1 to 65535"),
+                          (["generate", "x", "--timeout", "0"], "--timeout: must be > 0")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert message in capsys.readouterr().err
+    assert parser.parse_args(["generate", "x", "--addr", "unix:/tmp/s.sock"]).addr == "unix:/tmp/s.sock"

@@ -258,3 +258,49 @@ def test_served_with_three_plans_in_flight_and_steps_launched_ahead(tiny_model_d
     finally:
         sched.stop()
         worker.stop()
+
+
+def test_a_link_closed_mid_step_ends_execute_as_a_disconnect(caplog):
+    """The scheduler goes away while the worker writes a step's result (a shutdown with requests
+    running): Execute ends as on a disconnect, logged at info, not as an error, and the worker
+    takes the next scheduler."""
+    from types import SimpleNamespace
+
+    from pagewire_common.framelink import LinkClosed
+
+    class ClosedConn(_Conn):
+        closed = False
+
+        def write(self, payload: bytes) -> None:
+            raise LinkClosed("the frame link is closed")
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Runner(_Runner):
+        launch_ahead = False
+        resets = 0
+
+        def reset(self) -> None:
+            self.resets += 1
+
+        def execute(self, plan):
+            return StepResult(step_id=plan.step_id)
+
+    async def scenario():
+        runner = Runner(hold=set())
+        servicer = WorkerServicer(runner, "m", ())
+        conn = ClosedConn()
+
+        async def open_session(request, context):
+            return conn
+
+        servicer.frames = SimpleNamespace(open_session=open_session)
+        await conn.inbox.put(_plan(1))
+        with caplog.at_level("INFO", logger="pagewire.worker"):
+            await asyncio.wait_for(servicer.Execute(None, SimpleNamespace(peer=lambda: "unix:")), 5)
+        assert conn.closed and runner.resets == 2 and not servicer._connected
+
+    asyncio.run(scenario())
+    assert "the scheduler's link closed: the frame link is closed" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
