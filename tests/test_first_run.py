@@ -84,13 +84,9 @@ def test_a_taken_port_is_one_clear_line_and_a_non_zero_exit(command, model_dir):
                      "(is another server running there?)"]
 
 
-def test_a_port_left_in_time_wait_is_free_but_one_listening_with_reuseport_is_not():
-    """A server that stopped with clients connected leaves its side of each connection in
-    TIME_WAIT for up to a minute; gRPC binds the port regardless, so the check must too (a
-    scheduler restarted after a crash gave up on "Address already in use"). A listener sharing
-    the port the way API servers do still counts as taken."""
-    from pagewire_common.addresses import check_address_free
-
+def _port_left_in_time_wait() -> str:
+    """The address of a port no one listens on, whose server side of a closed connection is
+    left in TIME_WAIT (as a server that stopped with clients connected leaves it)."""
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))
@@ -100,6 +96,17 @@ def test_a_port_left_in_time_wait_is_free_but_one_listening_with_reuseport_is_no
         accepted, _ = listener.accept()
         accepted.close()  # the server side closes first: its end goes to TIME_WAIT
         client.close()
+    return addr
+
+
+def test_a_port_left_in_time_wait_is_free_but_one_listening_with_reuseport_is_not():
+    """A server that stopped with clients connected leaves its side of each connection in
+    TIME_WAIT for up to a minute; gRPC binds the port regardless, so the check must too (a
+    scheduler restarted after a crash gave up on "Address already in use"). A listener sharing
+    the port the way API servers do still counts as taken."""
+    from pagewire_common.addresses import check_address_free
+
+    addr = _port_left_in_time_wait()
     assert check_address_free(addr) == addr
     with socket.socket() as sharing:
         sharing.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listeners do
@@ -308,15 +315,7 @@ def test_bench_serve_takes_a_port_left_in_time_wait_and_clients_check_their_addr
     refuse an address whose port would wrap around, and generate a deadline that is not > 0."""
     from pagewire.bench.server import check_can_listen
 
-    with socket.socket() as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        addr = f"127.0.0.1:{listener.getsockname()[1]}"
-        client = socket.create_connection(listener.getsockname())
-        accepted, _ = listener.accept()
-        accepted.close()  # the server side closes first: its end goes to TIME_WAIT
-        client.close()
+    addr = _port_left_in_time_wait()
     check_can_listen(addr)
     parser = build_parser()
     for argv, message in ((["generate", "x", "--addr", "127.0.0.1:70000"], "a port is 1 to 65535"),
