@@ -137,6 +137,18 @@ def _non_empty(value) -> str | None:
     return None if value is None or (isinstance(value, str) and value.strip()) else "must not be empty"
 
 
+def _chat_template(value) -> str | None:
+    if value is None:
+        return None
+    from pagewire_common.chat_template import load_chat_template  # jinja2 only where one is given
+
+    try:
+        load_chat_template(str(value))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _setting(default, help: str, *, scope: tuple[str, ...], check=None, type=None, flag=None,
              negate: str | None = None, metavar=None, choices=None, env: str | None = None, secret: bool = False):
     """One setting. ``negate`` names the flag that turns a default-True bool off
@@ -278,6 +290,12 @@ class Settings:
     stream_interval: int = _setting(
         1, "after a request's first token, send a response once this many tokens are ready (fewer, larger "
         "messages under heavy load; default: %(default)s, every token)", scope=(API,), check=_at_least(1), type=int)
+    chat_template: str | None = _setting(
+        None, "a Jinja chat template for chat requests (gRPC Chat, /v1/chat/completions) in place of the model's "
+        "own: a file's path, or the template itself (text with a { or a line break); it renders `messages` and "
+        "`add_generation_prompt`, with `bos_token`, `eos_token` and `raise_exception` at hand, and is checked at "
+        "start (default: the model's, from tokenizer_config.json or chat_template.jinja)", scope=(API,),
+        check=_chat_template, type=str, metavar="PATH|TEMPLATE")
     grpc_listeners: int = _setting(
         8, "gRPC servers each API server runs on the public address (SO_REUSEPORT: the kernel spreads "
         "connections over them). grpc.aio takes in one new call at a time per server, several turns of a "

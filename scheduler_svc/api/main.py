@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from pagewire_common import step_profile
 from pagewire_common.addresses import check_address_free, check_distinct, describe, http_url
+from pagewire_common.chat_template import load_chat_template
 from pagewire_common.settings import Settings
 from pagewire_common.tls import TlsFiles
 from scheduler_svc.api.http_server import start_http
@@ -53,7 +54,8 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     step_profile.configure("api-server", settings.profile_steps)
     api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics(),
                     routing=settings.data_parallel_routing,
-                    balance_threshold=settings.data_parallel_balance_threshold)
+                    balance_threshold=settings.data_parallel_balance_threshold,
+                    chat_template=load_chat_template(settings.chat_template) if settings.chat_template else None)
     servers, port, servicer, health_servicer = await build_server(api, listen, reuse_port,
                                                                   listeners=settings.grpc_listeners,
                                                                   api_key=settings.api_key, tls=tls)

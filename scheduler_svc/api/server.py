@@ -59,10 +59,12 @@ class ApiServer:
 
     def __init__(self, core_addresses: str | list[str], stream_interval: int = default_of("stream_interval"),
                  on_health=None, metrics=None, routing: str = default_of("data_parallel_routing"),
-                 balance_threshold: int = default_of("data_parallel_balance_threshold")):
+                 balance_threshold: int = default_of("data_parallel_balance_threshold"), chat_template: str | None = None):
+        """``chat_template``: the text of ``--chat-template``, which replaces the model's own."""
         addresses = split_core_addresses(core_addresses) if isinstance(core_addresses, str) else list(core_addresses)
         self.metrics = metrics  # RequestMetrics, or None
         self.stream_interval = stream_interval
+        self.chat_template = chat_template
         self._on_health = on_health or (lambda serving: None)
         self.router = Router(len(addresses), routing, balance_threshold)
         self.links = [CoreLink(self, i, address) for i, address in enumerate(addresses)]
@@ -131,7 +133,7 @@ class ApiServer:
             log.error("engine core %d (%s) serves %r, the others %r: it takes no requests", link.index,
                       link.core_address, info.model_name, old.info.model_name)
             return None
-        tokenizer = Tokenizer.from_files(files) if files is not None else None
+        tokenizer = Tokenizer.from_files(files, self.chat_template) if files is not None else None
         if old is not None and old.offloaded is not None:
             old.offloaded.close()
         offloaded = None

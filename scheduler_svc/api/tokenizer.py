@@ -12,10 +12,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jinja2
-import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
+from pagewire_common.chat_template import compile_chat_template
 from pagewire_common.wire import TOKENIZER_FILES
 from scheduler_svc.api.stop_strings import StopMatcher, StopStrings
 
@@ -39,12 +38,15 @@ class Tokenizer:
         self._init_from_files(files)
 
     @classmethod
-    def from_files(cls, files: dict[str, bytes]) -> "Tokenizer":
-        """From the tokenizer files by name (as the worker's ``Info`` carries them)."""
+    def from_files(cls, files: dict[str, bytes], chat_template: str | None = None) -> "Tokenizer":
+        """From the tokenizer files by name (as the worker's ``Info`` carries them);
+        ``chat_template`` (``--chat-template``'s text) replaces the model's own."""
         if "tokenizer.json" not in files:
             raise FileNotFoundError("no tokenizer.json among the model's files: pagewire needs a fast tokenizer file")
         tok = cls.__new__(cls)
         tok._init_from_files(files)
+        if chat_template is not None:
+            tok.chat_template = chat_template
         return tok
 
     @property
@@ -91,9 +93,7 @@ class Tokenizer:
             if not isinstance(m.get("content"), str):
                 raise ValueError("every chat message needs string content")
         if self._compiled_template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._compiled_template = env.from_string(self.chat_template)
+            self._compiled_template = compile_chat_template(self.chat_template)
         return self._compiled_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -134,10 +134,6 @@ def _byte_level_table(tok: _HFTokenizer, special_ids: frozenset[int]) -> list[by
         except KeyError:  # a token outside the byte alphabet (an unusual added token)
             return None
     return table
-
-
-def _raise_template_error(message: str):
-    raise ValueError(f"chat template error: {message}")
 
 
 @dataclass(slots=True)
@@ -237,7 +233,7 @@ INLINE_CHARS = 4096
 _pool_tokenizer: Tokenizer | None = None
 
 
-def _pool_init(files: dict[str, bytes], parent_pid: int) -> None:
+def _pool_init(files: dict[str, bytes], chat_template: str | None, parent_pid: int) -> None:
     global _pool_tokenizer
     from pagewire_common.supervisor import die_with_parent
 
@@ -245,7 +241,7 @@ def _pool_init(files: dict[str, bytes], parent_pid: int) -> None:
     # started it (the event loop's default executor, at shutdown), which can come while the helper
     # is leaving on its own: SIGTERM kills it outright, with nothing to unwind
     die_with_parent(parent_pid, unwind=False)
-    _pool_tokenizer = Tokenizer.from_files(files)
+    _pool_tokenizer = Tokenizer.from_files(files, chat_template)
 
 
 def _pool_encode(text: str) -> list[int]:
@@ -277,7 +273,7 @@ class OffloadedTokenizer:
 
             self._pool = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_pool_init, initargs=(self.tokenizer.files, os.getpid()),
+                initializer=_pool_init, initargs=(self.tokenizer.files, self.tokenizer.chat_template, os.getpid()),
             )
         return self._pool
 

@@ -65,7 +65,6 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         self.engine: EngineCore | None = None
         self.worker_info: WorkerInfo | None = None
         self.tokenizer_files: dict[str, bytes] = {}
-        self.has_chat_template = False
         self.worker_generation = 0
         self.connected = asyncio.Event()
         self.readiness_changed = asyncio.Event()  # the worker link came up or an API server got ready
