@@ -377,6 +377,8 @@ def test_no_queue_takes_requests_that_can_start_and_refuses_the_rest():
     """--max-queued-requests 0: an idle engine takes what fits in the batch, a full one refuses."""
     async def main():
         service, _ = await _core(Settings(max_num_seqs=2, max_queued_requests=0, max_num_batched_tokens=64))
+        info = service.info_response()  # the API servers learn there is no queue
+        assert info.HasField("max_queued_requests") and info.max_queued_requests == 0 and info.max_num_seqs == 2
         client = service.open_client()
         ok = SamplingParams(max_tokens=30, ignore_eos=True)
         received = Received(service)

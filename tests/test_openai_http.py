@@ -255,6 +255,32 @@ def test_a_refused_prompt_of_several_runs_none_of_them(stack):
     assert_all_blocks_free(addr)
 
 
+def test_prompts_that_could_never_start_without_a_queue_are_400_not_429():
+    """--max-queued-requests 0 takes a request only when it can start at once: prompts whose samples
+    together are more than max_num_seqs could never start, so they are refused as invalid (and
+    counted), not told to retry; with a queue they wait their turn."""
+    from types import SimpleNamespace
+
+    from pagewire_common.sampling import SamplingParams
+    from pagewire_common.v1 import core_pb2
+    from scheduler_svc.api.request import CheckedRequest, RequestError, check_together
+
+    rejected = []
+
+    def api(**queue):
+        info = core_pb2.CoreInfoResponse(max_num_seqs=4, **queue)
+        return SimpleNamespace(model=SimpleNamespace(info=info), reject=lambda: rejected.append(1))
+
+    two = [CheckedRequest("a", [1], SamplingParams(n=2)), CheckedRequest("b", [2], SamplingParams(n=3))]
+    with pytest.raises(RequestError) as err:
+        check_together(api(max_queued_requests=0), two)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2 prompts make 5 sequences, more than max_num_seqs (4)" in err.value.message and rejected == [1]
+    check_together(api(max_queued_requests=1), two)
+    check_together(api(max_queued_requests=0), [two[0], CheckedRequest("c", [3], SamplingParams(n=2))])  # 4 fit
+    assert rejected == [1]
+
+
 def test_chat_min_tokens_without_max_tokens(stack):
     addr, url, model = stack
     status, answer = http_json(url, "/v1/chat/completions", {"model": model, "min_tokens": 5,

@@ -36,7 +36,14 @@ from scheduler_svc.api.openai_protocol import (
     parse_messages,
     usage_dict,
 )
-from scheduler_svc.api.request import ApiRequest, RequestError, check_request, encode_prompt, submit_request
+from scheduler_svc.api.request import (
+    ApiRequest,
+    RequestError,
+    check_request,
+    check_together,
+    encode_prompt,
+    submit_request,
+)
 
 log = logging.getLogger("pagewire.http")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -183,6 +190,7 @@ class OpenAIDoor:
             checked = [await check_request(api, sampling=parsed.sampling, sampling_error=parsed.sampling_error,
                                            model_name=parsed.model, fill_max_tokens=parsed.fill_max_tokens, **kw)
                        for kw in parsed.prompts]
+            check_together(api, checked)
             for c in checked:
                 reqs.append(submit_request(api, c))
             answer = _Answer(parsed, reqs, api.model)

@@ -212,6 +212,23 @@ async def check_request(api: ApiServer, *, request_id: str = "", sampling: Sampl
         raise
 
 
+def check_together(api: ApiServer, checked: list[CheckedRequest]) -> None:
+    """The prompts of one request (the OpenAI door's list of prompts), each checked alone, checked
+    together: without a queue (``--max-queued-requests 0``) a request is taken only when it can
+    start at once, so prompts whose samples are more than ``max_num_seqs`` would be refused for
+    ever (RESOURCE_EXHAUSTED, "retry later"); they are INVALID_ARGUMENT instead."""
+    info = api.model.info if api.model is not None else None
+    if len(checked) < 2 or info is None or not info.HasField("max_queued_requests") or info.max_queued_requests:
+        return
+    total = sum(c.sampling.n for c in checked)
+    if total > info.max_num_seqs:
+        api.reject()
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"the request's {len(checked)} prompts make {total} sequences, more than max_num_seqs "
+                           f"({info.max_num_seqs}) runs at once, and the server has no queue (max_queued_requests 0): "
+                           "send fewer prompts per request")
+
+
 def submit_request(api: ApiServer, checked: CheckedRequest) -> ApiRequest:
     """Hand a checked request to the core its prompt is routed to."""
     try:

@@ -42,7 +42,7 @@ log = logging.getLogger("pagewire.scheduler")
 QUIET_TURNS = 6
 # the longest the core waits for one API server to hand on a step's tokens (backpressure)
 BACKPRESSURE_TIMEOUT_S = 1.0
-# this core's index in its KV events (pagewire runs one engine core)
+# a core does not know its index among the API server's cores: the API server sets it on each batch
 CORE_INDEX = 0
 
 
@@ -141,6 +141,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         msg = core_pb2.CoreInfoResponse(worker_connected=self.connected.is_set(),
                                         worker_generation=self.worker_generation,
                                         max_num_seqs=self.settings.max_num_seqs,
+                                        max_queued_requests=self.settings.max_queued_requests,
                                         num_api_servers_ready=self.num_ready_clients,
                                         scheduler_ready=self.scheduler_ready)
         if info is not None and self.engine is not None:
