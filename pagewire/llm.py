@@ -57,11 +57,11 @@ class LLM:
 
     ``model`` is a Hugging Face model directory (safetensors + config + tokenizer), a ``.gguf``
     file (converted once into a cached safetensors directory), or None for the embedded
-    SmolLM2-135M-Instruct. Keyword arguments are the engine settings of ``pagewire serve``
-    (``pagewire_common.settings.Settings``, the same names as the flags: ``block_size``,
+    SmolLM2-135M-Instruct. Keyword arguments are the worker's and the engine core's settings of
+    ``pagewire serve`` (``pagewire_common.settings.Settings``: ``block_size``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``num_kv_blocks``, ``kv_cache_bytes``,
     ``enable_prefix_caching``, ``dtype``, ``device``, ``max_model_len``, ...), with the same
-    defaults and checks.
+    defaults and checks; one only the served processes read is a ``TypeError``.
 
     ``tensor_parallel_size=N`` shards the model over N ranks: this process is rank 0 and starts
     ranks 1..N-1 as child processes, which stop with ``close()`` (or when this process exits). A

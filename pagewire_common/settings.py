@@ -5,7 +5,7 @@
 - ``pagewire.LLM``'s keyword arguments (``Settings(**kwargs)``),
 - the flags ``serve`` and the scheduler pass to the processes they start (``to_argv``) and the
   bench's pass-through to ``serve``,
-- the per-process configs (``RunnerConfig``, ``SchedulerConfig``, ``ApiServerConfig``), whose
+- the per-process configs (``RunnerConfig``, ``SchedulerConfig``), whose
   defaults and checks are these (``default_of``, ``check``).
 
 A scope says which process a setting configures: ``WORKER`` (model, KV cache), ``CORE``
@@ -196,7 +196,8 @@ class Settings:
         None, "longest prompt + output in tokens (default: the model's)", scope=(WORKER, CORE),
         check=_at_least(2), type=int)
     num_threads: int | None = _setting(
-        None, "CPU threads for the worker's torch ops (default: torch's, one per core)", scope=(WORKER,),
+        None, "CPU threads for the worker's torch ops and CPU kernels (default: one per core, shared out among "
+        "the ranks of --tensor-parallel-size and the workers of --data-parallel-size on CPU)", scope=(WORKER,),
         check=_at_least(1), type=int)
     cuda_graphs: bool = _setting(
         True, "run decode steps eagerly on CUDA (default: replay graphs captured at start)", scope=(WORKER,),
@@ -275,9 +276,9 @@ class Settings:
         "sequence that stops computes up to N-1 tokens that are dropped (default: 3 with a CUDA worker, else 2)",
         scope=(CORE,), check=_between(2, 3), type=int, metavar="N")
     admission_turns: int = _setting(
-        32, "after each step, let the core's event loop turn up to this many times while new requests keep "
-        "arriving, so that a busy engine fills its batches instead of stepping once per arrival; 0: step at "
-        "once (default: %(default)s)", scope=(CORE,), check=_at_least(0), type=int)
+        32, "with overlap, after each step let the core's event loop turn up to this many times while new "
+        "requests keep arriving, so that a busy engine fills its batches instead of stepping once per arrival; 0: "
+        "step at once (default: %(default)s)", scope=(CORE,), check=_at_least(0), type=int)
     prefill_pacing_steps: int = _setting(
         0, "while sequences are decoding, let a step carry only 1/N of the prompt tokens waiting to be "
         "computed (at least 16), so that prompts arriving in bursts are spread over the next steps and streams "
@@ -355,7 +356,8 @@ class Settings:
         check=_non_empty, metavar="KEY", env=envs.API_KEY_ENV, secret=True)
     tls_cert_file: str | None = _setting(
         None, "serve the public address over TLS with this PEM certificate (chain), with --tls-key-file "
-        "(default: plaintext; links between pagewire's own processes stay on unix sockets or loopback)",
+        "(default: plaintext; the links between pagewire's own processes never use TLS: keep those on unix sockets, "
+        "loopback or a private network)",
         scope=(PUBLIC,), check=_non_empty, metavar="PATH")
     tls_key_file: str | None = _setting(
         None, "the PEM private key of --tls-cert-file", scope=(PUBLIC,), check=_non_empty, metavar="PATH")
@@ -433,8 +435,9 @@ def _check_ranks(settings: "Settings") -> None:
 SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings))
 # what the offline engine (``pagewire.LLM``: the worker and the engine core in one process, no
 # event loop) takes: the worker's and the core's settings, less the core service's admission turns
+# and pipeline depth (offline, ``overlap`` keeps one plan ahead of the step that runs)
 OFFLINE_SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(Settings)
-                                  if {WORKER, CORE} & set(f.metadata["scope"])) - {"admission_turns"}
+                                  if {WORKER, CORE} & set(f.metadata["scope"])) - {"admission_turns", "plans_in_flight"}
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 

@@ -233,11 +233,13 @@ def test_pagewire_dtype_sets_the_default_dtype_of_every_command_and_of_llm(monke
 
 def test_the_offline_llm_refuses_settings_of_the_served_path():
     """LLM takes the worker's and the core's settings; one that only the served processes read
-    (an API-server flag, the core service's admission turns) is a TypeError, not ignored."""
+    (an API-server flag, the core service's admission turns and pipeline depth) is a TypeError,
+    not ignored."""
     from pagewire import LLM
     from pagewire_common.settings import OFFLINE_SETTING_NAMES
 
-    for name, value in (("admission_turns", 4), ("api_servers", 2), ("stream_interval", 8)):
+    for name, value in (("admission_turns", 4), ("plans_in_flight", 3), ("api_servers", 2), ("stream_interval", 8),
+                        ("chat_template", "{{ messages }}")):
         assert name not in OFFLINE_SETTING_NAMES
         with pytest.raises(TypeError, match=name):
             LLM(**{name: value})
