@@ -1,5 +1,5 @@
 """Paged-attention decode bandwidth: the Triton kernel (and the torch reference) on one CUDA GPU.
-Feeds docs/benchmarks.md, section "Machines and method" (GPU: needs a CUDA machine).
+Feeds docs/benchmarks.md, section "9. NVIDIA H200: seed workload and attention bandwidth" (GPU: needs a CUDA machine).
 
     python benchmarks/attention_bandwidth.py [--batch 64] [--context 2048] [--block-size 16]
         [--dtype bfloat16] [--models smollm2 gpt2] [--num-splits auto 1] [--peak-gbps GB/s]

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run worker, scheduler core and API servers on this machine (the usual way)",
                        description="Start the worker and the scheduler (which starts --api-servers API-server "
-                       "processes on --listen) as child processes, and keep them alive: a child that dies is "
+                       "processes on --listen; with --data-parallel-size or --data-parallel-cores, serve starts a "
+                       "worker and a core per engine core and the API servers itself) as child processes, and keep "
+                       "them alive: a child that dies is "
                        "restarted (calls it was serving end UNAVAILABLE), and repeated crashes stop serve. "
                        "Ctrl-C or SIGTERM stops taking requests, lets running ones finish, and stops everything.")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="public address for clients (default: %(default)s)")
@@ -95,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p, (PROCESS,), title="processes",
                   skip=("api_servers", "http_listen", *DATA_PARALLEL_LAYOUT))
 
-    p = sub.add_parser("generate", help="stream a completion from a running server to stdout")
+    p = sub.add_parser("generate", help="stream a completion from a running server to stdout",
+                       description="Send one prompt (or, with --chat, one user message) to a running pagewire "
+                       "server over gRPC and print the text as it streams; greedy unless --temperature is given. "
+                       "Exit code 1 with the server's status and message when the call fails.")
     p.add_argument("prompt", help="the prompt text (or the user message with --chat)")
     p.add_argument("--addr", default=DEFAULT_LISTEN, type=server_address,
                    help="server address, HOST:PORT or unix:PATH (default: %(default)s)")

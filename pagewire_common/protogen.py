@@ -1,8 +1,8 @@
 """Generate the gRPC Python stubs from ``protos/`` (``python -m pagewire_common.protogen``).
 
-The stubs are derived files and are not committed: ``make install`` generates them, and
-importing ``pagewire_common.v1`` regenerates them when a ``.proto`` is newer than its stubs, so
-stale stubs cannot run. The proto package is ``pagewire.v1`` (the wire contract); the Python
+The stubs are derived files and are not committed: ``make protos`` (which ``make serve`` and
+``make test`` run) generates them, and importing ``pagewire_common.v1`` regenerates them when a
+``.proto`` is newer than its stubs, so stale stubs cannot run. The proto package is ``pagewire.v1`` (the wire contract); the Python
 modules live in ``pagewire_common/v1/``, the torch-free floor every layer may import, so the
 imports protoc writes between the stubs (``from pagewire.v1 import ...``) are rewritten to it.
 """

@@ -103,7 +103,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
         help="measure a server's throughput and latency at the client (optionally vs transformers)",
-        description="Send a workload to a pagewire server over gRPC (one asyncio client, many streams) and report "
+        description="Send a workload to a pagewire server over gRPC (or its OpenAI door: --backend openai; asyncio "
+        "clients, many streams each, in --client-processes processes) and report "
         "TTFT, TPOT, ITL, end-to-end latency and throughput measured at the client. The server is the one at --addr, "
         "or one started for the bench with --serve. --baseline runs Hugging Face transformers on the same prompts "
         "in this process for comparison.",
@@ -185,7 +186,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--client-processes", type=positive_int, default=None, metavar="N",
                    help="load-generator processes sharing the streams (each one asyncio loop and one gRPC channel); "
                    "one Python process handles some tens of thousands of streamed messages/s, so raise this when "
-                   "the summary says the client was busy (default: 1, or concurrency/64 up to cpus/4 and 4)")
+                   "the summary says the client was busy (default: 1, or concurrency/64 up to cpus/4 and 4; 1 with "
+                   "--backend openai)")
     g.add_argument("--connections", type=positive_int, default=8, metavar="N",
                    help="TCP connections the client spreads its streams over (split between client processes); "
                    "the kernel hands each connection to one of the server's API servers, so fewer connections "
