@@ -122,3 +122,82 @@ def test_a_scrape_has_only_the_served_models_series(monkeypatch, tmp_path, multi
                 "prefix_cache_queries", "prefix_cache_hits"}
     assert {"pagewire:" + name for name in expected} <= after.keys()
     assert set().union(*after.values()) == {"m"}
+
+
+class _Finishes:
+    """The metrics calls an ``ApiRequest`` makes, with its finishes kept by reason."""
+
+    def __init__(self):
+        self.reasons: list[str] = []
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.reasons.append(reason)
+
+    def first_token(self, seconds: float) -> None:
+        pass
+
+    def tokens(self, n: int, itl: float | None) -> None:
+        pass
+
+
+class _Link:
+    """The part of a ``CoreLink`` an ``ApiRequest`` uses: it keeps the request's outbox and the
+    ids aborted."""
+
+    def __init__(self):
+        self.metrics = _Finishes()
+        self.aborted: list[int] = []
+
+    def submit(self, request_id, prompt_token_ids, sampling, outbox, request) -> int:
+        self.outbox = outbox
+        return 100
+
+    def abort(self, request_id: int) -> None:
+        self.aborted.append(request_id)
+
+    def note_undelivered(self) -> None:
+        pass
+
+    def delivered(self) -> None:
+        pass
+
+
+def test_samples_cut_off_count_one_by_one_as_finished_ones_do():
+    """n = 3, one sample finished: an abort counts the two others, as the core counts its aborts
+    (one per sample); a failure counts them as errors, after handing on what came before it."""
+    import grpc
+
+    from pagewire_common.requests import FinishReason, TextDelta
+    from pagewire_common.sampling import SamplingParams
+    from scheduler_svc.api.request import ApiRequest, Failure, RequestError
+
+    def finished_delta(index: int) -> TextDelta:
+        return TextDelta("r", [7], "x", finish_reason=FinishReason.LENGTH, index=index)
+
+    async def aborted():
+        link = _Link()
+        request = ApiRequest(link, "r", [1, 2], SamplingParams(n=3, max_tokens=1))
+        link.outbox.put_nowait(finished_delta(0))
+        async for _ in request:
+            break  # the client goes away after the first sample's end
+        request.close()
+        return link
+
+    link = asyncio.run(aborted())
+    assert link.metrics.reasons == ["length", "abort", "abort"] and link.aborted == [100, 101, 102]
+
+    async def failed():
+        link = _Link()
+        request = ApiRequest(link, "r", [1, 2], SamplingParams(n=3, max_tokens=1))
+        link.outbox.put_nowait(finished_delta(1))
+        link.outbox.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, "worker unavailable"))
+        got = []
+        with pytest.raises(RequestError) as err:
+            async for items in request:
+                got.extend(items)
+        request.close()
+        return link, got, err.value
+
+    link, got, error = asyncio.run(failed())
+    assert [d.index for d in got] == [1] and error.code == grpc.StatusCode.UNAVAILABLE
+    assert link.metrics.reasons == ["length", "error", "error"] and link.aborted == []

@@ -69,7 +69,9 @@ class RequestMetrics:
         self._prompt = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests scheduled.", **kw)
         self._generation = Counter(PREFIX + "generation_tokens", "Tokens generated and streamed.", **kw)
         labels = ("model_name", "finished_reason")
-        self._success = Counter(PREFIX + "request_success", "Requests finished, by reason (stop, length, abort).",
+        self._success = Counter(PREFIX + "request_success",
+                                "Requests finished, one per sample, by reason (stop, length; abort: the client "
+                                "cancelled or went away; error: the server failed it).",
                                 labelnames=labels, registry=registry)
         self._pending_tokens = 0
         self._pending_itl: dict[float, int] = {}  # an inter-token latency -> how many tokens took it

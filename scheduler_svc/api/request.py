@@ -132,7 +132,15 @@ class ApiRequest:
             items = await self.outbox.take()
             last = items[-1]
             if isinstance(last, Failure):  # always the last item: nothing follows it
-                self.finished = True
+                deltas = items[:-1]
+                if deltas:  # what came before the failure goes out first
+                    self._observe(deltas)
+                    self.num_unfinished -= sum(it.finished for it in deltas)
+                    self.finished = self.num_unfinished == 0
+                    yield deltas
+                    if self.finished:
+                        return
+                self._end_unfinished("error")
                 raise RequestError(last.code, last.message)
             self._observe(items)
             self.num_unfinished -= sum(it.finished for it in items)
@@ -168,11 +176,19 @@ class ApiRequest:
     def close(self) -> None:
         self.outbox.release()
         if not self.finished:  # cancelled, deadline passed, or the client went away
-            self.finished = True
             for index in range(self.sampling.n):
                 self.api.abort(self.id + index)
-            if self.api.metrics is not None:
-                self.api.metrics.finished("abort", time.monotonic() - self.arrival)
+            self._end_unfinished("abort")
+
+    def _end_unfinished(self, reason: str) -> None:
+        """The samples still running end for ``reason``; each counts in the metrics, as each sample
+        that finishes does."""
+        self.finished = True
+        if self.api.metrics is not None:
+            seconds = time.monotonic() - self.arrival
+            for _ in range(self.num_unfinished):
+                self.api.metrics.finished(reason, seconds)
+        self.num_unfinished = 0
 
 
 @dataclass(slots=True)
