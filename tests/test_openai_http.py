@@ -160,6 +160,14 @@ def test_logprobs_match_grpc(stack):
     ({"prompt": "x", "stop": ["x" * MAX_STOP_CHARS, "y"]}, "stop"),
     ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({}, "prompt"),
+    ({"prompt": "x", "guided_choice": []}, "guided_choice"),
+    ({"prompt": "x", "guided_choice": ["a", 3]}, "guided_choice"),
+    ({"prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
 ])
 def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):
     addr, url, model = stack
@@ -173,7 +181,8 @@ def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):
     # the API server that refused it tells the core in its next message (GetStats may reach the other one)
     assert wait_until(lambda: stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected == before + 1, timeout=5)
     if "prompt" in body:  # the SDK itself insists on a prompt; vLLM's extensions go in extra_body
-        extra = {k: body[k] for k in ("prompt_logprobs",) if k in body}
+        extra = {k: body[k] for k in ("prompt_logprobs", "guided_choice", "guided_regex", "structured_outputs",
+                                      "include_stop_str_in_output", "response_format") if k in body}
         sdk = {k: v for k, v in body.items() if k not in extra}
         with pytest.raises(openai.BadRequestError):
             client(url).completions.create(**{"model": model, **sdk}, extra_body=extra or None)
@@ -306,6 +315,16 @@ def test_bad_json_unknown_route_and_unknown_fields(stack):
     status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
                                                               "max_tokens": 3, "some_future_field": {"a": 1}, "user": "u1"})
     assert status == 200 and answer["choices"][0]["message"]["content"] is not None
+    # known fields this server cannot honour are refused, not dropped
+    chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for extra, param in (({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
+                         ({"continue_final_message": True}, "continue_final_message"),
+                         ({"add_generation_prompt": False}, "add_generation_prompt")):
+        status, answer = http_json(url, "/v1/chat/completions", {**chat, **extra})
+        assert status == 400 and answer["error"]["param"] == param, answer
+    status, answer = http_json(url, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"})
+    assert status == 200, answer
 
 
 def test_models_and_health(stack):
@@ -521,6 +540,16 @@ def test_response_format_and_guided_fields_constrain_the_output(stack):
     regex = r"[a-z]{3,8}@[a-z]{2,6}\.(com|org)"
     out = client(url).completions.create(model=model, prompt=PROMPTS[2], max_tokens=40, temperature=1.0, seed=4,
                                          extra_body={"guided_regex": regex})
+    assert out.choices[0].finish_reason == "stop" and re.fullmatch(regex, out.choices[0].text)
+    # vLLM's choices: the old field and the structured_outputs object, strings JSON would escape too
+    choices = ["yes", "no", 'a "quoted" (b|c)\n', "日本 🎉"]
+    for seed in range(4):
+        for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+            out = client(url).completions.create(model=model, prompt=PROMPTS[seed], max_tokens=20, temperature=1.0,
+                                                 seed=seed, extra_body=extra)
+            assert out.choices[0].finish_reason == "stop" and out.choices[0].text in choices, out.choices[0].text
+    out = client(url).completions.create(model=model, prompt=PROMPTS[0], max_tokens=40, temperature=1.0, seed=5,
+                                         extra_body={"structured_outputs": {"regex": regex}})
     assert out.choices[0].finish_reason == "stop" and re.fullmatch(regex, out.choices[0].text)
     assert_all_blocks_free(addr)
 

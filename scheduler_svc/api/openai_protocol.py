@@ -139,7 +139,11 @@ def _prompts(value) -> list[dict]:
 
 
 def _structured(body: dict, put) -> None:
-    """Structured output: OpenAI's ``response_format`` and the ``guided_*`` fields other servers take."""
+    """Structured output: OpenAI's ``response_format``, and what vLLM's clients send: the
+    ``guided_json``/``guided_regex``/``guided_grammar``/``guided_choice`` fields and the
+    ``structured_outputs`` object (``json``, ``regex``, ``grammar``, ``choice``, ``json_object``).
+    One constraint a request; a choice is a grammar of its strings."""
+    given: list[tuple[str, str, str]] = []  # (SamplingParams field, its text, the body's field)
     fmt = _get(body, "response_format", dict, None)
     if fmt is not None:
         kind = fmt.get("type")
@@ -147,16 +151,69 @@ def _structured(body: dict, put) -> None:
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
                 raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
-            put("json_schema", json.dumps(spec["schema"]))
+            given.append(("json_schema", json.dumps(spec["schema"]), "response_format"))
         elif kind == "json_object":
-            put("json_schema", json.dumps({"type": "object"}))
+            given.append(("json_schema", _JSON_OBJECT, "response_format"))
         elif kind != "text":
             raise bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
     guided = _get(body, "guided_json", (dict, str), None)
     if guided is not None:
-        put("json_schema", guided if isinstance(guided, str) else json.dumps(guided))
+        given.append(("json_schema", guided if isinstance(guided, str) else json.dumps(guided), "guided_json"))
     for name, field_name in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
-        put(field_name, _get(body, name, str, None))
+        text = _get(body, name, str, None)
+        if text is not None:
+            given.append((field_name, text, name))
+    choice = _get(body, "guided_choice", list, None)
+    if choice is not None:
+        given.append(("grammar", _choice_grammar(choice, "guided_choice"), "guided_choice"))
+    outputs = _get(body, "structured_outputs", dict, None)
+    if outputs is not None:
+        given.extend(_structured_outputs(outputs))
+    if len(given) > 1:
+        raise bad(f"give one structured output constraint, not {' and '.join(g[2] for g in given)}", given[1][2])
+    for field_name, text, _ in given:
+        put(field_name, text)
+
+
+_JSON_OBJECT = json.dumps({"type": "object"})
+_PARAM = "structured_outputs"
+
+
+def _structured_outputs(value: dict) -> list[tuple[str, str, str]]:
+    """vLLM's ``structured_outputs`` object; its option flags (whitespace, fallback, backend) are
+    hints this server's one engine has no use for."""
+    given = []
+    if value.get("structural_tag") is not None:
+        raise bad("structured_outputs.structural_tag is not supported", _PARAM)
+    json_spec = value.get("json")
+    if json_spec is not None:
+        if not isinstance(json_spec, (dict, str)):
+            raise bad("structured_outputs.json must be a JSON schema (an object or its text)", _PARAM)
+        given.append(("json_schema", json_spec if isinstance(json_spec, str) else json.dumps(json_spec), _PARAM))
+    for key, field_name in (("regex", "regex"), ("grammar", "grammar")):
+        text = value.get(key)
+        if text is not None:
+            if not isinstance(text, str):
+                raise bad(f"structured_outputs.{key} must be a string", _PARAM)
+            given.append((field_name, text, _PARAM))
+    if value.get("choice") is not None:
+        given.append(("grammar", _choice_grammar(value["choice"], "structured_outputs.choice"), _PARAM))
+    json_object = value.get("json_object")
+    if json_object is not None and not isinstance(json_object, bool):
+        raise bad("structured_outputs.json_object must be a boolean", _PARAM)
+    if json_object:
+        given.append(("json_schema", _JSON_OBJECT, _PARAM))
+    if len(given) > 1:
+        raise bad("structured_outputs: give one of json, regex, grammar, choice and json_object", _PARAM)
+    return given
+
+
+def _choice_grammar(choices, name: str) -> str:
+    """The grammar (Lark) whose sentences are exactly ``choices``: each a string literal, written
+    as JSON writes it."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise bad(f"{name} must be a non-empty list of non-empty strings", name.partition(".")[0])
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
 def parse(body, *, chat: bool) -> ParsedRequest:
@@ -172,9 +229,15 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         if "prompt" not in body:
             raise bad("prompt is required", "prompt")
         prompts = _prompts(body["prompt"])
-    for name in ("echo",):
+    for name in ("echo", "include_stop_str_in_output", "continue_final_message"):
         if _get(body, name, bool, False):
             raise bad(f"{name} is not supported", name)
+    if not _get(body, "add_generation_prompt", bool, True):
+        raise bad("add_generation_prompt false is not supported: chats are rendered for the assistant's answer",
+                  "add_generation_prompt")
+    if _get(body, "tools", list, None) and body.get("tool_choice") != "none":
+        raise bad("tools are not supported: this server does not call tools (tool_choice \"none\" leaves them out)",
+                  "tools")
     n = _get(body, "n", int, DEFAULT_SAMPLING.n)
     if _get(body, "best_of", int, 1) not in (1, n):
         raise bad("best_of other than n is not supported", "best_of")
