@@ -247,6 +247,8 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         raise bad("prompt_logprobs is not supported by the HTTP door; Generate over gRPC takes it", "prompt_logprobs")
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
+    if options and not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
     include_usage = bool(stream and _get(options, "include_usage", bool, False))
     if n < 1:
         raise bad(f"n must be >= 1, got {n}", "n")
