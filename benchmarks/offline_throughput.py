@@ -2,7 +2,7 @@
 docs/benchmarks.md, section "Offline, in one process".
 
     python benchmarks/offline_throughput.py [--model PATH] [--dtype float32|bfloat16]
-        [--num-prompts 32] [--max-tokens 64] [--repeats 2]
+        [--gguf-weights auto|dequantize] [--num-prompts 32] [--max-tokens 64] [--repeats 2]
 
 Both generate exactly --max-tokens tokens per prompt (ours with ignore_eos, transformers with
 min_new_tokens, which masks EOS), greedy, from the same prompts. transformers runs all prompts
@@ -15,6 +15,7 @@ import argparse
 import json
 import time
 
+from pagewire_common.settings import GGUF_WEIGHTS
 from worker_svc.cpu import features  # torch-free
 
 features.cap_torch_isa()  # PAGEWIRE_CPU_ISA reaches torch and oneDNN only if set before torch is imported
@@ -36,6 +37,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--gguf-weights", default="auto", choices=GGUF_WEIGHTS,
+                    help="a GGUF model's weights, as serve's flag: its own blocks (auto, on CPU) or the converted "
+                    "copy (dequantize), which transformers runs too (default: %(default)s)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each (best is reported)")
@@ -49,7 +53,8 @@ def main() -> int:
     from worker_svc.weights import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
-    llm = LLM(model_dir, dtype=args.dtype, max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+    llm = LLM(model_dir, dtype=args.dtype, gguf_weights=args.gguf_weights, max_num_seqs=args.num_prompts,
+              enable_prefix_caching=False)
     tok = llm.tokenizer
     # distinct prompts of ~8-20 tokens: a text with a numbered suffix
     prompts = [tok.encode(f"{PROMPT_TEXTS[i % len(PROMPT_TEXTS)]} ({i})") for i in range(args.num_prompts)]
