@@ -13,8 +13,8 @@
 | PAGEWIRE_CPU_ISA | the best x86 instruction set the CPU kernels, torch and ``--dtype auto`` may use: avx2, avx512f, avx512_bf16 or amx_bf16, at most the CPU's own; measures what a lesser CPU gets from the same code and tests the kernels' narrower paths (``worker_svc.cpu.features``) | the CPU's own |
 
 The CPU kernels are compiled with ``$CC`` when it is set, else ``cc`` or ``gcc``
-(``worker_svc.cpu.build``). gRPC reads ``GRPC_VERBOSITY``: every pagewire command sets it to ERROR unless it is set or the
-log level is debug (``pagewire_common.logs``).
+(``worker_svc.cpu.build``). gRPC reads ``GRPC_VERBOSITY``: every pagewire command sets it to ERROR
+unless it is set or the log level is debug (``pagewire_common.logs``).
 ``huggingface_hub`` reads its own (``HF_HUB_CACHE``, ``HF_HOME``, ``HF_HUB_OFFLINE``, ``HF_TOKEN``) when a
 model is named by Hugging Face id (``worker_svc.hub``).
 

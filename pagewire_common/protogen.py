@@ -2,9 +2,10 @@
 
 The stubs are derived files and are not committed: ``make protos`` (which ``make serve`` and
 ``make test`` run) generates them, and importing ``pagewire_common.v1`` regenerates them when a
-``.proto`` is newer than its stubs, so stale stubs cannot run. The proto package is ``pagewire.v1`` (the wire contract); the Python
-modules live in ``pagewire_common/v1/``, the torch-free floor every layer may import, so the
-imports protoc writes between the stubs (``from pagewire.v1 import ...``) are rewritten to it.
+``.proto`` is newer than its stubs, so stale stubs cannot run. The proto package is
+``pagewire.v1`` (the wire contract); the Python modules live in ``pagewire_common/v1/``, the
+torch-free floor every layer may import, so the imports protoc writes between the stubs
+(``from pagewire.v1 import ...``) are rewritten to it.
 """
 
 from __future__ import annotations
