@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 from pagewire_common import step_profile
+from pagewire_common.chat_template import load_chat_template
 from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import TextDelta, Usage
 from pagewire_common.sampling import SamplingParams, check_text
@@ -217,6 +218,36 @@ class LLM:
                 samples[0].samples = samples
             outputs.append(samples[0])
         return outputs
+
+    def chat(
+        self,
+        messages: Seq[dict[str, str]] | Seq[Seq[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[GenerationOutput]:
+        """Answer each conversation, as the served ``Chat`` and ``/v1/chat/completions`` do:
+        ``messages`` is one conversation (a list of ``{"role": ..., "content": ...}``) or a list of
+        them, each rendered with the model's chat template, or with ``chat_template`` (a Jinja
+        file's path or the template itself, as ``--chat-template`` takes), then generated as
+        ``generate`` does; one output per conversation, in order."""
+        if not messages:
+            raise ValueError("messages is empty: give a conversation or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                if isinstance(conversation, (str, dict)) or not conversation:
+                    raise ValueError("it must be a non-empty list of messages")
+                prompts.append(self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt,
+                                                                  template))
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+        return self.generate(prompts, sampling_params)
 
     def _tokenize(self, prompt) -> list[int]:
         if not isinstance(prompt, str):

@@ -92,3 +92,34 @@ def test_the_api_servers_render_chats_with_it(model_dir, template_file, tmp_path
     finally:
         sched.stop()
         worker.stop()
+
+
+def test_the_offline_llm_chats_as_the_servers_do(model_dir, template_file):
+    """LLM.chat renders each conversation (the model's template, or one given as a file or text)
+    and generates from it as generate does; a conversation it cannot render is a ValueError."""
+    import gc
+
+    from pagewire import LLM, SamplingParams
+
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=200)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        own = llm.tokenizer.apply_chat_template(MESSAGES)
+        one = llm.chat(MESSAGES, params)
+        assert len(one) == 1 and one[0].token_ids == llm.generate(own, params)[0].token_ids
+        assert one[0].prompt_token_ids == llm.tokenizer.encode(own)
+        two = llm.chat([MESSAGES, MESSAGES[1:]], params, chat_template=str(template_file))
+        assert [o.prompt_token_ids for o in two] == [llm.tokenizer.encode(RENDERED),
+                                                     llm.tokenizer.encode("user: Tell me about the sea.\nassistant:")]
+        assert llm.chat(MESSAGES, params, chat_template=TEMPLATE)[0].token_ids == two[0].token_ids
+        unprompted = llm.chat(MESSAGES, params, chat_template=TEMPLATE, add_generation_prompt=False)[0]
+        assert unprompted.prompt_token_ids == llm.tokenizer.encode(RENDERED.removesuffix("assistant:"))
+        for bad, message in (([], "messages is empty"), ([MESSAGES, []], "conversation 1: it must be a non-empty"),
+                             ([[{"role": "user"}]], "conversation 0: every chat message needs string content")):
+            with pytest.raises(ValueError, match=message):
+                llm.chat(bad, params)
+        with pytest.raises(ValueError, match="no chat template file"):
+            llm.chat(MESSAGES, params, chat_template="/no/such.jinja")
+    finally:
+        llm.close()
+        gc.unfreeze()

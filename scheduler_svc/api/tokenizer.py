@@ -83,18 +83,24 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render role/content messages with the model's chat template into prompt text."""
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            template: str | None = None) -> str:
+        """Render role/content messages with the model's chat template (or ``template``, a
+        template's text) into prompt text."""
+        if template is None and not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         for m in messages:
-            if not isinstance(m.get("role"), str) or not m["role"]:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
                 raise ValueError("every chat message needs a non-empty role")
             if not isinstance(m.get("content"), str):
                 raise ValueError("every chat message needs string content")
-        if self._compiled_template is None:
-            self._compiled_template = compile_chat_template(self.chat_template)
-        return self._compiled_template.render(
+        if template is not None:
+            compiled = compile_chat_template(template)
+        else:
+            if self._compiled_template is None:
+                self._compiled_template = compile_chat_template(self.chat_template)
+            compiled = self._compiled_template
+        return compiled.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
