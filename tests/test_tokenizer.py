@@ -89,6 +89,24 @@ def test_byte_level_fast_path_equals_generic_decode(tok, tiny_model_dir):
         assert "".join(fast) == tok.decode(ids) == "".join(slow), ids
 
 
+def test_ids_of_a_padded_vocabulary_past_the_tokenizer_make_no_text(tok, tiny_model_dir):
+    """A model's embedding often has more rows than its tokenizer has tokens (a vocabulary padded
+    to a multiple of 64 or 128), and sampling may pick such a row: it decodes to no text, on every
+    path, as the tokenizer's own decode skips it."""
+    past = [tok.vocab_size, tok.vocab_size + 3]
+    ids = tok.encode("the sea") + past[:1] + tok.encode(" is wide") + past[1:]
+    generic = Tokenizer(tiny_model_dir("llama-gqa"))
+    generic.token_bytes = None
+    for tokenizer in (tok, generic):
+        deltas, _ = stream(tokenizer, [5, 6, 7], ids)
+        assert "".join(deltas) == tok.decode(ids) == "the sea is wide"
+        deltas, _ = stream(tokenizer, [5, 6, 7], ids, stop=("zz",))
+        assert "".join(deltas) == "the sea is wide"
+    detok = IncrementalDetokenizer.for_prompt(tok, 3)
+    assert detok.one_token_at_a_time
+    assert "".join(detok.next_text(t) for t in ids) == "the sea is wide"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_tokenizer_helper_dies_outright_when_the_thread_that_started_it_ends(tok):
     """The API server starts its tokenizer helper from a thread of the event loop's default

@@ -187,7 +187,10 @@ class IncrementalDetokenizer:
         """``update`` of one more token (not the last) where ``one_token_at_a_time``: its bytes
         through the UTF-8 decoder, no list or text kept."""
         self.read_offset += 1
-        return self._utf8.decode(self.tokenizer.token_bytes[token_id])
+        try:
+            return self._utf8.decode(self.tokenizer.token_bytes[token_id])
+        except IndexError:  # an id of the model's padded vocabulary, past the tokenizer's
+            return ""
 
     def update(self, token_ids: list[int], is_final: bool, may_stop: bool = True) -> str:
         """Feed the full token list after new tokens arrived; return the text to stream now.
@@ -197,7 +200,11 @@ class IncrementalDetokenizer:
             return ""
         if self._utf8 is not None:
             table = self.tokenizer.token_bytes
-            new_bytes = b"".join([table[t] for t in token_ids[self.read_offset :]])
+            try:
+                new_bytes = b"".join([table[t] for t in token_ids[self.read_offset :]])
+            except IndexError:  # ids of the model's padded vocabulary, past the tokenizer's: no text
+                size = len(table)
+                new_bytes = b"".join([table[t] for t in token_ids[self.read_offset :] if t < size])
             self.read_offset = len(token_ids)
             if self._stop_matcher is None:
                 return self._utf8.decode(new_bytes, final=is_final)
