@@ -130,3 +130,31 @@ def test_a_failed_write_to_the_core_ends_the_session_rather_than_the_writer(capl
     with caplog.at_level("ERROR"):
         asyncio.run(run())
     assert "sending to the scheduler core unix:/nonexistent.sock failed; reconnecting" in caplog.text
+
+
+def test_a_state_message_while_requests_run_keeps_their_ids_unique():
+    """Every worker-state message of a session names the API server's id; one sent while requests
+    run (the core starting to drain) must not start the id count again: a new request would take
+    a running one's id, and the core's refusal of it would end the running one's stream."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagewire_common.core_messages import CoreOutputs
+    from pagewire_common.eventloop import Outbox
+    from pagewire_common.sampling import SamplingParams
+    from scheduler_svc.api.core_link import CoreLink
+
+    async def run():
+        server = SimpleNamespace(metrics=None, stream_interval=1, link_changed=lambda link: None)
+        link = CoreLink(server, 0, "unix:/nonexistent.sock")
+        ids = []
+        for draining in (False, True, False):
+            await link._worker_state(CoreOutputs(has_worker_state=True, api_server_id=3, draining=draining))
+            assert link.draining == draining
+            link.is_serving = True  # as a worker that is up would make it
+            ids.append(link.submit("r", [1, 2], SamplingParams(n=2), Outbox()))
+        await link._channel.close()
+        return ids
+
+    ids = asyncio.run(run())
+    assert ids == [(3 << 32) + 1, (3 << 32) + 3, (3 << 32) + 5]

@@ -63,12 +63,14 @@ class CoreLink:
         self._stub = core_pb2_grpc.SchedulerCoreStub(self._channel)
         self._session: LinkSession | None = None
         # request ids: this server's id from the core (in the high half), then a counter
+        self._api_server_id = 0
         self._request_ids = itertools.count(first_request_id(0))
         self.pending: dict[int, _Pending] = {}  # request id (one per sample) -> where its deltas go
         self.output = OutputProcessor(None, server.stream_interval)  # their text streams
         self.info: core_pb2.CoreInfoResponse | None = None  # the core's limits, once its worker is up
         self.core_connected = False
         self.worker_connected = False
+        self.draining = False  # the core is shutting down: it takes no new requests
         self.worker_generation = 0
         self.is_serving = False  # core link up, worker up, model adopted: requests may come here
         self._out = CoreRequests()  # queued for the core until the next turn of the loop
@@ -146,7 +148,9 @@ class CoreLink:
         """Hand a request to the core; returns its id (``name`` is what the client calls it).
         ``ValueError``, with nothing queued, for a request its message cannot carry."""
         if not self.is_serving:
-            raise NotReadyError("the worker is not connected" if self.core_connected else "the scheduler core is not connected")
+            raise NotReadyError("the engine core is shutting down" if self.draining and self.core_connected
+                                else "the worker is not connected" if self.core_connected
+                                else "the scheduler core is not connected")
         request_id = next(self._request_ids)
         # n > 1: the samples are the n consecutive ids from this one, each with its own stream
         for _ in range(1, sampling.n):
@@ -269,11 +273,19 @@ class CoreLink:
                 step_profile.end_step(len(msg.request_ids))  # a step of the API server: a message with tokens
 
     async def _worker_state(self, msg: CoreOutputs) -> None:
-        if msg.api_server_id:  # the session's first message: this server's ids from now on
+        if msg.api_server_id and msg.api_server_id != self._api_server_id:
+            # a session's first message names this server's ids from now on; every later state
+            # message repeats it, and counting again from the first would reuse the ids of
+            # requests still running
+            self._api_server_id = msg.api_server_id
             self._request_ids = itertools.count(first_request_id(msg.api_server_id))
         self.worker_connected = msg.worker_connected
+        if msg.draining and not self.draining:
+            log.info("engine core %d (%s) is shutting down: it finishes its running requests and takes no new ones",
+                     self.index, self.core_address)
+        self.draining = msg.draining
         serving = False
-        if msg.worker_connected:
+        if msg.worker_connected and not msg.draining:
             if self.info is None or msg.worker_generation != self.worker_generation:
                 info = await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=10)
                 self.worker_generation = msg.worker_generation
@@ -317,6 +329,7 @@ class CoreLink:
         was_connected = self.core_connected
         self.core_connected = False
         self.worker_connected = False
+        self.draining = False
         self.info = None
         self._set_serving(False)
         if was_connected:
