@@ -178,6 +178,7 @@ class CoreOutputs:
     has_worker_state: bool = False
     worker_connected: bool = False
     worker_generation: int = 0  # changes whenever the core connects to a (new) worker
+    draining: bool = False  # the core is shutting down: it takes no new requests
     api_server_id: int = 0  # in the session's first message: the high bits of this server's ids
     # the step's KV-cache events, to an API server that subscribed (alone: not counted in has_tokens)
     kv_events: KVEventBatch | None = None
@@ -190,7 +191,8 @@ class CoreOutputs:
 
     def to_bytes(self) -> bytes:
         msg = core_pb2.CoreOutput(has_worker_state=self.has_worker_state, worker_connected=self.worker_connected,
-                                  worker_generation=self.worker_generation, api_server_id=self.api_server_id)
+                                  worker_generation=self.worker_generation, api_server_id=self.api_server_id,
+                                  draining=self.draining)
         for err in self.errors:
             msg.errors.append(core_pb2.CoreError(request_id=err.request_id, code=err.code, message=err.message))
         for reply in self.abort_replies:
@@ -227,7 +229,7 @@ class CoreOutputs:
         msg = core_pb2.CoreOutput.FromString(data)
         out = cls(errors=[CoreError(e.request_id, e.code, e.message) for e in msg.errors],
                   has_worker_state=msg.has_worker_state, worker_connected=msg.worker_connected,
-                  worker_generation=msg.worker_generation, api_server_id=msg.api_server_id,
+                  worker_generation=msg.worker_generation, api_server_id=msg.api_server_id, draining=msg.draining,
                   abort_replies=[AbortReply(r.name, r.found) for r in msg.abort_replies])
         if msg.request_ids:
             out.request_ids = np.frombuffer(msg.request_ids, dtype=_I64)

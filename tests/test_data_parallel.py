@@ -252,22 +252,33 @@ def test_serve_with_two_cores_routes_and_reports_per_core(model_dir, offline, tm
 @pytest.mark.slow
 def test_sigterm_to_a_core_lets_its_running_requests_finish(model_dir, tmp_path):
     """`pagewire core` has no API servers of its own to drain: on SIGTERM its engine core refuses
-    new requests and keeps stepping the running ones, for up to --shutdown-timeout."""
-    address = f"127.0.0.1:{free_port()}"
+    new requests and keeps stepping the running ones, for up to --shutdown-timeout. It tells the
+    API servers, which send new requests to their other cores meanwhile."""
+    address, other_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     core = Proc(["core", "--model", str(model_dir), "--listen", address, "--num-threads", "1", *ENGINE],
                 tmp_path / "core.log")
+    other = Proc(["core", "--model", str(model_dir), "--listen", other_address, "--num-threads", "1", *ENGINE],
+                 tmp_path / "other.log")
     core.wait_for_output("engine core ready", timeout=90)
-    api = ApiServerProc([address], tmp_path)
+    other.wait_for_output("engine core ready", timeout=90)
+    api = ApiServerProc([address, other_address], tmp_path, routing="round-robin")
     try:
         prompts = [[20 + i, 30 + i, 40 + i] for i in range(8)]
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(long_request, api.stub, p) for p in prompts]
-            wait_until(lambda: core_stats(address).num_running == len(prompts), timeout=20, interval=0.01)
+            wait_until(lambda: core_stats(address).num_running == len(prompts) // 2, timeout=20, interval=0.01)
             core.signal(signal.SIGTERM)
+            api.proc.wait_for_output("is shutting down: it finishes its running requests", timeout=10)
+            # round-robin would send every other one to the core that is shutting down
+            late = [list(api.stub.Generate(pb.GenerateRequest(prompt_token_ids=[60 + i, 61], sampling=sampling(
+                max_tokens=4, ignore_eos=True)), timeout=30)) for i in range(4)]
             results = [f.result(timeout=60) for f in futures]
         assert results == [("ok", 240, pb.LENGTH)] * len(prompts)
+        assert [sum(len(r.token_ids) for r in responses) for responses in late] == [4] * 4
         assert core.proc.wait(30) == 0
         assert "still running; cancelled" not in core.output()
+        assert core_stats(other_address).num_requests_finished == len(prompts) // 2 + len(late)
     finally:
         api.stop()
         core.stop()
+        other.stop()

@@ -107,6 +107,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         """Refuse new requests and let the running ones finish, for at most ``timeout`` seconds
         (a core whose API servers are elsewhere: theirs drain on their own machines)."""
         self.draining = True
+        self._broadcast_worker_state()  # the API servers route new requests elsewhere
         deadline = asyncio.get_running_loop().time() + timeout
         while self.num_in_flight and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
@@ -160,7 +161,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
 
     def worker_state_message(self, client: ApiClient) -> CoreOutputs:
         return CoreOutputs(has_worker_state=True, worker_connected=self.connected.is_set(),
-                           worker_generation=self.worker_generation, api_server_id=client.api_server_id)
+                           worker_generation=self.worker_generation, api_server_id=client.api_server_id,
+                           draining=self.draining)
 
     def stats(self) -> dict:
         engine = self.engine
