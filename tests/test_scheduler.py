@@ -202,6 +202,29 @@ def test_max_num_seqs_caps_running():
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("budget, max_num_seqs, n", [(1, 64, 4), (4, 64, 4), (16, 2, 2), (3, 3, 3)])
+def test_forked_samples_keep_to_the_budget_and_max_num_seqs(budget, max_num_seqs, n):
+    """n > 1: the samples forked once a prompt is computed start as the step's token budget and
+    max_num_seqs leave room, the others in later steps; every sample is the greedy reference."""
+    engine, worker = make_engine(num_blocks=256, block_size=4, budget=budget, max_num_seqs=max_num_seqs)
+    prompts = make_prompts(2, seed=3, lengths=[8, 5])
+    outs: dict[tuple[str, int], list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt_token_ids=p, sampling=SamplingParams(temperature=0, max_tokens=4, n=n,
+                                                                                ignore_eos=True))
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault((o.request_id, o.index), []).extend(o.token_ids)
+        engine.allocator.check_integrity()
+    assert max(sum(s.num_scheduled_tokens for s in p.new_seqs) + int(p.running_num_scheduled_tokens.sum())
+               for p in worker.plans) <= budget
+    assert max(len(p.new_seqs) + len(p.running_seq_ids) for p in worker.plans) <= max_num_seqs
+    # the fake worker names sample k of request r "r#k"
+    assert outs == {(f"r{i}#{k}" if k else f"r{i}", k): reference_tokens(p, 4)
+                    for i, p in enumerate(prompts) for k in range(n)}
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

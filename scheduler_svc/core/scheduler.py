@@ -359,9 +359,14 @@ class Scheduler:
         self._parents = [seq for seq in self._parents if seq.unforked_samples]
 
     def _start_forked(self, plan: StepPlan, budget: StepBudget) -> None:
-        """Send the forked samples to the worker: each computes its last prompt token again (in its
-        own copy of that block) and samples."""
-        for sample in self._forked:
+        """Send the forked samples to the worker, oldest first, as many as the step's budget and
+        ``max_num_seqs`` leave room for (the others wait for a later step, their blocks held): each
+        computes its last prompt token again (in its own copy of that block) and samples."""
+        room = min(budget.tokens, self.config.max_num_seqs - len(self.running))
+        if room <= 0:
+            return
+        starting, self._forked = self._forked[:room], self._forked[room:]
+        for sample in starting:
             allocation = sample.fork_allocation
             sample.fork_allocation = None
             plan.block_copies.extend(allocation.copies)
@@ -369,8 +374,7 @@ class Scheduler:
             plan.new_seqs.append(self._new_sequence(sample, allocation.block_ids, computed, 1))
             self._start_running(sample)
             self._advance(sample, computed + 1, sample.num_prompt_tokens, 0)
-        budget.tokens -= len(self._forked)
-        self._forked = []
+        budget.tokens -= len(starting)
 
     def _prefill_allowance(self) -> int:
         """Prefill pacing: how many prompt tokens the next step may carry.
