@@ -158,7 +158,7 @@ async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, 
         await supervisor.stop(timeout=settings.shutdown_timeout + 10,
                               names=[*api_servers, *(f"engine core {i}" for i in range(len(workers))),
                                      *(f"worker {i}" for i in range(len(workers)))])
-    return 1 if failed else 0
+    return supervisor.exit_code if failed else 0
 
 
 def _supervision(run_dir: str, env: dict[str, str] | None = None) -> tuple[asyncio.Event, list[str], Supervisor]:
@@ -194,7 +194,7 @@ async def _serve_core(settings: Settings, listen: str, log_level: str, run_dir: 
     finally:
         watcher.cancel()
         await supervisor.stop(timeout=settings.shutdown_timeout + 10, names=["engine core", "worker"])
-    return 1 if failed else 0
+    return supervisor.exit_code if failed else 0
 
 
 async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) -> int:
@@ -217,7 +217,7 @@ async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) 
         watcher.cancel()
         # the scheduler first (its API servers drain while the worker still computes), then the worker
         await supervisor.stop(timeout=settings.shutdown_timeout + 10, names=["scheduler", "worker"])
-    return 1 if failed else 0
+    return supervisor.exit_code if failed else 0
 
 
 async def _wait_ready(core_addr: str, num_api_servers: int, stop: asyncio.Event) -> str | None:

@@ -111,6 +111,9 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.stopping = False
         self.gave_up: str | None = None
+        # what the supervising command exits with once it gave up: 2 when a child refused its
+        # command line or settings before it was ready (it said why, as "pagewire: error: ..."), else 1
+        self.exit_code = 1
         self.num_restarts = 0
 
     def start(self, name: str, argv: list[str]) -> Child:
@@ -147,6 +150,7 @@ class Supervisor:
                     continue
                 code = child.proc.returncode
                 if not child.ready:
+                    self.exit_code = 2 if code == 2 else 1
                     return self._give_up(f"the {child.name} exited with code {code} before it was ready")
                 now = time.monotonic()
                 if now - child.started_at > self.stable_s:

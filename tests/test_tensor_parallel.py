@@ -117,6 +117,29 @@ def test_one_rank_runs_no_collectives(tiny_model_dir):
     assert [o.token_ids for o in outs] == expected_tokens(tiny_model_dir("qwen3"), prompts)
 
 
+def test_heads_that_do_not_split_are_one_error_before_any_rank_starts(tiny_model_dir, tmp_path):
+    """4 query heads over 3 ranks, or --quantization int8 over 2: offline a ValueError before any
+    rank process starts; through serve one line and exit code 2, not ranks that fail apart."""
+    import subprocess
+    import sys
+
+    model_dir = tiny_model_dir("llama-gqa")
+    assert ModelConfig.from_pretrained(model_dir).num_heads == 4
+    before = set(descendants(os.getpid()))
+    for settings, message in (({"tensor_parallel_size": 3}, "the number of attention heads 4 does not split over 3"),
+                              ({"tensor_parallel_size": 2, "quantization": "int8"},
+                               "--quantization int8 runs on CPU with one rank")):
+        with pytest.raises(ValueError, match=message):
+            LLM(model_dir, **settings)
+        assert set(descendants(os.getpid())) <= before
+    argv = [sys.executable, "-m", "pagewire.cli", "serve", "--model", str(model_dir), "--tensor-parallel-size", "3",
+            "--listen", f"127.0.0.1:{free_port()}", "--http-listen", "off"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("pagewire: error: the number of attention heads 4 does not split over 3") == 1
+    assert "Traceback" not in done.stderr and "terminate called" not in done.stderr
+
+
 # ---- over gRPC: pagewire serve --tensor-parallel-size 2 ----------------------------------------
 
 

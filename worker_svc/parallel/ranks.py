@@ -203,6 +203,24 @@ class DriverRunner:
             dist.destroy_process_group()
 
 
+def check_shards(model_dir: str | Path, settings: Settings) -> None:
+    """What every rank checks as it builds its shard, checked once before any rank starts: heads
+    that do not split over the ranks, or a setting that needs one rank, are one clear
+    ``ValueError`` rather than ranks that fail apart."""
+    from worker_svc.config import ModelConfig
+    from worker_svc.layers.linear import kv_heads_per_rank
+
+    n = settings.num_ranks
+    if n == 1:
+        return
+    if settings.quantization != "none":
+        raise ValueError(f"--quantization {settings.quantization} runs on CPU with one rank (here: {n} ranks)")
+    config = ModelConfig.from_pretrained(model_dir)
+    tp = TensorParallel(0, n)
+    tp.split(config.num_heads, "the number of attention heads")
+    kv_heads_per_rank(config.num_kv_heads, tp)
+
+
 def start_runner(model_dir: str | Path, settings: Settings):
     """Rank 0's runner: a ``ModelRunner`` for one rank, a ``DriverRunner`` for several."""
     from worker_svc.runner import ModelRunner, RunnerConfig
@@ -211,6 +229,7 @@ def start_runner(model_dir: str | Path, settings: Settings):
     if n == 1:
         _set_threads(settings.num_threads)  # the offline LLM's num_threads (the worker process sets its own too)
         return ModelRunner(model_dir, RunnerConfig.from_settings(settings))
+    check_shards(model_dir, settings)
     import torch.distributed as dist
 
     config = _runner_config(settings, 0)
