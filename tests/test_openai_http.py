@@ -426,11 +426,12 @@ def test_metrics_count_known_requests_across_two_api_servers(stack):
     assert delta[("pagewire:request_queue_time_seconds_count", ())] == 7
     assert delta[("pagewire:inter_token_latency_seconds_count", ())] == sent_completion - 7
     stats = stub(addr).GetStats(pb.StatsRequest())
-    assert after[("pagewire:num_requests_running", ())] == 0
-    assert after[("pagewire:num_preemptions_total", ())] == stats.num_preemptions
-    assert after[("pagewire:prefix_cache_queries_total", ())] == stats.num_prefix_cache_queried_tokens > 0
-    assert after[("pagewire:prefix_cache_hits_total", ())] == stats.num_prefix_cache_hit_tokens
-    assert 0 <= after[("pagewire:kv_cache_usage_perc", ())] <= 1
+    core = (("engine", "0"),)  # the one core's series
+    assert after[("pagewire:num_requests_running", core)] == 0
+    assert after[("pagewire:num_preemptions_total", core)] == stats.num_preemptions
+    assert after[("pagewire:prefix_cache_queries_total", core)] == stats.num_prefix_cache_queried_tokens > 0
+    assert after[("pagewire:prefix_cache_hits_total", core)] == stats.num_prefix_cache_hit_tokens
+    assert 0 <= after[("pagewire:kv_cache_usage_perc", core)] <= 1
 
 
 def test_grpc_errors_still_grpc(stack):

@@ -110,7 +110,7 @@ def test_a_scrape_has_only_the_served_models_series(monkeypatch, tmp_path, multi
     else:
         monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     metrics = RequestMetrics()  # as the API server makes it, before the worker says which model
-    stats = pb.Stats(num_running=1, num_waiting=2, num_total_blocks=10, num_free_blocks=4)
+    stats = [(0, pb.Stats(num_running=1, num_waiting=2, num_total_blocks=10, num_free_blocks=4))]
     before = _series_model_names(exposition(metrics, stats, None))
     assert all(names == set() for names in before.values()), before  # families, no series
     metrics.set_model_name("m")
@@ -201,3 +201,27 @@ def test_samples_cut_off_count_one_by_one_as_finished_ones_do():
     link, got, error = asyncio.run(failed())
     assert [d.index for d in got] == [1] and error.code == grpc.StatusCode.UNAVAILABLE
     assert link.metrics.reasons == ["length", "error", "error"] and link.aborted == []
+
+
+def test_each_core_has_its_own_series_so_no_counter_goes_down(monkeypatch):
+    """Two cores: one series each (label engine). When one stops answering its series goes, and
+    the other's counters are what they were: a sum over the cores that answer would fall."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics = RequestMetrics("m")
+
+    def scrape(per_core):
+        families = text_string_to_metric_families(exposition(metrics, per_core, "m").decode())
+        return {(s.name, s.labels["engine"]): s.value for f in families for s in f.samples
+                if "engine" in s.labels}
+
+    first = pb.Stats(num_preemptions=3, num_prefix_cache_queried_tokens=196, num_prefix_cache_hit_tokens=86,
+                     num_running=2, num_total_blocks=10, num_free_blocks=5)
+    second = pb.Stats(num_preemptions=1, num_prefix_cache_queried_tokens=72, num_prefix_cache_hit_tokens=30,
+                      num_total_blocks=10, num_free_blocks=10)
+    both = scrape([(0, first), (1, second)])
+    assert both[("pagewire:prefix_cache_queries_total", "0")] == 196
+    assert both[("pagewire:prefix_cache_queries_total", "1")] == 72
+    assert both[("pagewire:num_requests_running", "0")] == 2 and both[("pagewire:kv_cache_usage_perc", "0")] == 0.5
+    alone = scrape([(1, second)])  # core 0 stopped answering
+    assert not any(engine == "0" for _, engine in alone)
+    assert all(alone[key] == value for key, value in both.items() if key[1] == "1")

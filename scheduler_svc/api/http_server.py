@@ -160,12 +160,13 @@ class OpenAIDoor:
     async def metrics(self, request: web.Request) -> web.Response:
         api = self.api
         try:
-            stats = await api.stats()
-        except Exception as e:  # the core is away: serve the request figures anyway
-            log.debug("metrics without the core's figures: %s", e)
-            stats = None
+            per_core = await api.core_stats()
+        except Exception as e:  # no core answers: serve the request figures anyway
+            log.debug("metrics without the cores' figures: %s", e)
+            per_core = None
         name = api.model.info.model_name if api.model is not None else None
-        body = await asyncio.get_running_loop().run_in_executor(None, metrics_mod.exposition, api.metrics, stats, name)
+        body = await asyncio.get_running_loop().run_in_executor(None, metrics_mod.exposition, api.metrics, per_core,
+                                                                name)
         return web.Response(body=body, headers={"Content-Type": metrics_mod.CONTENT_TYPE})
 
     # ---- completions ---------------------------------------------------------------------------

@@ -6,9 +6,11 @@ Two sources, one exposition:
   tokens and finished requests by reason (counters). With several API servers the scheduler gives
   them one ``PROMETHEUS_MULTIPROC_DIR``, so whichever server a scrape reaches reports the sum of
   all of them (prometheus_client's multiprocess mode).
-- **the core's figures**, read from ``CoreStats`` at each scrape: requests running and waiting,
-  KV cache usage (gauges), preemptions and prefix-cache lookups (counters, cumulative since the core
-  started).
+- **the cores' figures**, read from each core's ``CoreStats`` at each scrape: requests running and
+  waiting, KV cache usage (gauges), preemptions and prefix-cache lookups (counters, cumulative
+  since the core started), one series per engine core (label ``engine``: its index in the API
+  server's list of cores, as vLLM labels its engines), so a core that stops or restarts moves
+  only its own series and no summed counter ever goes down.
 
 The names follow vLLM's (``pagewire:`` instead of ``vllm:``, the same ``model_name`` label), so
 dashboards built for it carry over.
@@ -157,41 +159,39 @@ def _observe_many(histogram, counts: dict[float, int]) -> None:
 
 
 class CoreFigures:
-    """A collector for one scrape: the core's gauges and counters from one ``Stats``."""
+    """A collector for one scrape: each core's gauges and counters from its ``Stats``."""
 
-    def __init__(self, stats: pb.Stats, model_name: str):
-        self.stats = stats
+    def __init__(self, per_core: list[tuple[int, pb.Stats]], model_name: str):
+        self.per_core = per_core  # (the core's index, its Stats)
         self.model_name = model_name
 
     def collect(self):
-        s, labels = self.stats, [self.model_name]
+        families = []
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            g.add_metric(labels, value)
-            return g
+        def family(kind, name, doc, value_of):
+            f = kind(PREFIX + name, doc, labels=["model_name", "engine"])
+            for index, stats in self.per_core:
+                f.add_metric([self.model_name, str(index)], value_of(stats))
+            families.append(f)
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            c.add_metric(labels, value)
-            return c
-
-        used = s.num_total_blocks - s.num_free_blocks
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full); cached blocks that no "
-                    "request holds count as free.", used / s.num_total_blocks if s.num_total_blocks else 0.0)
-        yield counter("num_preemptions", "Requests preempted (their blocks freed, recomputed later).",
-                      s.num_preemptions)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.num_prefix_cache_queried_tokens)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.num_prefix_cache_hit_tokens)
+        family(GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full); cached blocks "
+               "that no request holds count as free.",
+               lambda s: (s.num_total_blocks - s.num_free_blocks) / s.num_total_blocks if s.num_total_blocks else 0.0)
+        family(CounterMetricFamily, "num_preemptions", "Requests preempted (their blocks freed, recomputed later).",
+               lambda s: s.num_preemptions)
+        family(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+               lambda s: s.num_prefix_cache_queried_tokens)
+        family(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+               lambda s: s.num_prefix_cache_hit_tokens)
+        return families
 
 
-def exposition(metrics: RequestMetrics, stats: pb.Stats | None, model_name: str | None) -> bytes:
+def exposition(metrics: RequestMetrics, per_core: list[tuple[int, pb.Stats]] | None, model_name: str | None) -> bytes:
     """The text for one scrape: the request figures of every API server sharing the multiprocess
-    folder (else this one's) and, when the core answered and the served model is known, the core's
-    (under that model's name: there is no series without one)."""
+    folder (else this one's) and, when the cores answered and the served model is known, the
+    cores' (under that model's name: there is no series without one), one series per core."""
     if metrics.model_name is not None:
         metrics.flush()
     scrape = CollectorRegistry()
@@ -201,8 +201,8 @@ def exposition(metrics: RequestMetrics, stats: pb.Stats | None, model_name: str 
         multiprocess.MultiProcessCollector(scrape)
     else:
         scrape.register(_Forward(metrics.registry))
-    if stats is not None and model_name is not None:
-        scrape.register(CoreFigures(stats, model_name))
+    if per_core and model_name is not None:
+        scrape.register(CoreFigures(per_core, model_name))
     return generate_latest(scrape)
 
 
