@@ -108,3 +108,35 @@ def test_bad_policy_and_core_count():
         Router(2, "random")
     with pytest.raises(ValueError, match="at least one core"):
         Router(0)
+
+
+def test_a_core_without_room_is_passed_over_while_another_has_room():
+    """The API server routes among the cores with room for the request (under max_num_seqs, or in
+    their queue): with no queue, the core holding the prefix is full and the other takes it, not
+    a refusal; with a queue it waits at the prefix's core; with no room anywhere the rules pick."""
+    import asyncio
+
+    from pagewire_common.v1 import core_pb2
+    from scheduler_svc.api.server import ApiServer, ServedModel
+
+    prompt = list(range(10, 26))  # four full blocks of 4
+
+    async def route(queue: int, loads: tuple[int, int], n: int = 1) -> int:
+        api = ApiServer("unix:/nonexistent-a.sock,unix:/nonexistent-b.sock")
+        info = core_pb2.CoreInfoResponse(block_size=4, max_num_seqs=2, max_queued_requests=queue)
+        api.model = ServedModel(info, None, None)
+        for link, load in zip(api.links, loads):
+            link.is_serving, link.info = True, info
+            link.pending = dict.fromkeys(range(load))
+        api.router._add(0, prefix_block_hashes(prompt, 4))  # core 0 holds the prefix
+        try:
+            return api.route(prompt, n).index
+        finally:
+            for link in api.links:
+                await link._channel.close()
+
+    assert asyncio.run(route(0, (2, 0))) == 1  # core 0 is full and has no queue
+    assert asyncio.run(route(0, (1, 0))) == 0  # room for one more
+    assert asyncio.run(route(0, (1, 0), n=2)) == 1  # not for two samples
+    assert asyncio.run(route(4, (2, 0))) == 0  # it queues there
+    assert asyncio.run(route(0, (2, 2))) == 0  # no room anywhere: the prefix's core (which refuses it)

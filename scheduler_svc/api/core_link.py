@@ -115,6 +115,15 @@ class CoreLink:
         own = len(self.pending)
         return own + max(0, self._reported_load - self._own_at_report)
 
+    def has_room(self, load: int, n: int = 1) -> bool:
+        """Whether the core can take ``n`` more sequences beside ``load`` without refusing them:
+        under ``max_num_seqs``, or in its queue (``--max-queued-requests``; 0: no queue)."""
+        info = self.info
+        if info is None or not info.max_num_seqs:
+            return True
+        queue = info.max_queued_requests if info.HasField("max_queued_requests") else 0
+        return load + n <= info.max_num_seqs + queue
+
     async def stats(self) -> pb.Stats:
         self.flush()  # rejections counted here reach the core first
         return await self._stub.CoreStats(pb.StatsRequest(), timeout=5)

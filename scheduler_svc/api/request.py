@@ -248,8 +248,8 @@ def check_together(api: ApiServer, checked: list[CheckedRequest]) -> None:
 def submit_request(api: ApiServer, checked: CheckedRequest) -> ApiRequest:
     """Hand a checked request to the core its prompt is routed to."""
     try:
-        return ApiRequest(api.route(checked.prompt_token_ids), checked.request_id, checked.prompt_token_ids,
-                          checked.sampling)
+        return ApiRequest(api.route(checked.prompt_token_ids, checked.sampling.n), checked.request_id,
+                          checked.prompt_token_ids, checked.sampling)
     except NotReadyError as e:
         api.reject()
         raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None

@@ -16,7 +16,8 @@ The rules, over the cores that are up (``loads[i]`` is None for a core that is n
 - ``round-robin``: the next core in turn.
 
 A core's load is its running plus waiting requests as this API server counts them
-(``CoreLink.load``). Pure Python, no I/O: ``tests/test_router.py`` holds the rules.
+(``CoreLink.load``). The API server leaves out the cores with no room for a request (over
+``max_num_seqs`` plus their queue) while another has room (``ApiServer.route``). Pure Python, no I/O: ``tests/test_router.py`` holds the rules.
 """
 
 from __future__ import annotations

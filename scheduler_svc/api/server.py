@@ -177,12 +177,17 @@ class ApiServer:
         for link in self.links:
             link.want_kv_events(any_left or self.router.uses_kv_events)
 
-    def route(self, token_ids: list[int]) -> CoreLink:
-        """The core that takes a request with this prompt (``router.py`` has the rules)."""
+    def route(self, token_ids: list[int], n: int = 1) -> CoreLink:
+        """The core that takes a request with this prompt and ``n`` samples (``router.py`` has
+        the rules), among the cores with room for it when some have (``CoreLink.has_room``): a
+        full core would refuse it while another could run it."""
         if self.num_cores == 1:
             return self.links[0]
         hashes = prefix_block_hashes(token_ids, self.model.info.block_size) if self.router.uses_kv_events else []
         loads = [link.load if link.is_serving else None for link in self.links]
+        roomy = [load if load is not None and link.has_room(load, n) else None for link, load in zip(self.links, loads)]
+        if any(load is not None for load in roomy):
+            loads = roomy
         try:
             return self.links[self.router.pick(hashes, loads)]
         except NoCoreError as e:
