@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="public address for clients (default: %(default)s)")
     p.add_argument("--reuse-port", action="store_true",
                    help="share --listen with other API servers (SO_REUSEPORT); the scheduler passes it to its own")
+    p.add_argument("--primary-cores", type=positive_int, default=None, metavar="N",
+                   help="only the first N cores of --scheduler say which model is served; the others take requests "
+                   "once one of those serves, and only with the same model (serve passes its local cores' count "
+                   "when --data-parallel-cores names cores elsewhere) (default: any core, the first to come up)")
     add_arguments(p, (API, PROCESS), title="API server", skip=("api_servers", *DATA_PARALLEL_LAYOUT))
     add_arguments(p, (PUBLIC,), title=PUBLIC_TITLE)
 
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             from scheduler_svc.api.main import run_api_server
 
             return eventloop.run(run_api_server(args.scheduler, args.listen, Settings.from_args(args),
-                                                reuse_port=args.reuse_port))
+                                                reuse_port=args.reuse_port, primary_cores=args.primary_cores))
         if args.command == "serve":
             from pagewire.serve import serve
 

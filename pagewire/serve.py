@@ -139,7 +139,9 @@ async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, 
     remote_cores = [a.strip() for a in settings.data_parallel_cores.split(",")] if settings.data_parallel_cores else []
     cores = ",".join(local_cores + remote_cores)
     for j in range(settings.api_servers):
-        supervisor.start(f"API server {j + 1}", api_server_argv(cores, listen, settings, log_level))
+        # serve's own cores say which model is served; one elsewhere serving another is refused
+        supervisor.start(f"API server {j + 1}", api_server_argv(cores, listen, settings, log_level,
+                                                                 len(local_cores) if remote_cores else None))
     watcher = asyncio.get_running_loop().create_task(supervisor.watch())
     try:
         # ready: every local core has its worker and all the API servers (cores elsewhere join when they can)

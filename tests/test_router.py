@@ -140,3 +140,30 @@ def test_a_core_without_room_is_passed_over_while_another_has_room():
     assert asyncio.run(route(0, (1, 0), n=2)) == 1  # not for two samples
     assert asyncio.run(route(4, (2, 0))) == 0  # it queues there
     assert asyncio.run(route(0, (2, 2))) == 0  # no room anywhere: the prefix's core (which refuses it)
+
+
+def test_only_the_first_cores_say_which_model_is_served():
+    """serve's own cores come first (--primary-cores): a core elsewhere that comes up first waits
+    for them, is taken once they serve the same model, and refused when it serves another."""
+    import asyncio
+
+    from pagewire_common.v1 import core_pb2
+    from scheduler_svc.api.server import ApiServer
+
+    async def run(other_model: str) -> tuple:
+        api = ApiServer("unix:/nonexistent-a.sock,unix:/nonexistent-b.sock", primary_cores=1)
+        local, remote = api.links
+        for link, name in ((local, "local-model"), (remote, other_model)):
+            link.worker_connected, link.info = True, core_pb2.CoreInfoResponse(model_name=name, max_num_seqs=4)
+        await remote.adopt()  # the core elsewhere comes up first
+        first = (remote.is_serving, remote.waiting_for_model, api.model)
+        await local.adopt()
+        for _ in range(3):  # the waiting core's turn
+            await asyncio.sleep(0)
+        result = first, (local.is_serving, remote.is_serving, api.model.info.model_name)
+        for link in api.links:
+            await link._channel.close()
+        return result
+
+    assert asyncio.run(run("local-model")) == ((False, True, None), (True, True, "local-model"))
+    assert asyncio.run(run("other-model")) == ((False, True, None), (True, False, "local-model"))

@@ -71,6 +71,7 @@ class CoreLink:
         self.core_connected = False
         self.worker_connected = False
         self.draining = False  # the core is shutting down: it takes no new requests
+        self.waiting_for_model = False  # up, but waiting for a first core to say which model is served
         self.worker_generation = 0
         self.is_serving = False  # core link up, worker up, model adopted: requests may come here
         self._out = CoreRequests()  # queued for the core until the next turn of the loop
@@ -293,12 +294,18 @@ class CoreLink:
             log.info("engine core %d (%s) is shutting down: it finishes its running requests and takes no new ones",
                      self.index, self.core_address)
         self.draining = msg.draining
-        serving = False
         if msg.worker_connected and not msg.draining:
             if self.info is None or msg.worker_generation != self.worker_generation:
                 info = await self._stub.CoreInfo(core_pb2.CoreInfoRequest(), timeout=10)
                 self.worker_generation = msg.worker_generation
                 self.info = info
+        await self.adopt()
+
+    async def adopt(self) -> None:
+        """Take requests when the core's worker is up and the server serves its model (which
+        ``ApiServer.adopt_model`` decides); otherwise take none."""
+        serving = False
+        if self.worker_connected and not self.draining and self.info is not None:
             model = await self.server.adopt_model(self)
             if model is not None:
                 self.output.tokenizer = model.tokenizer
@@ -339,6 +346,7 @@ class CoreLink:
         self.core_connected = False
         self.worker_connected = False
         self.draining = False
+        self.waiting_for_model = False
         self.info = None
         self._set_serving(False)
         if was_connected:

@@ -29,7 +29,7 @@ api_log = logging.getLogger("pagewire.api")
 
 
 async def run_api_server(core_address: str, listen: str, settings: Settings, *, reuse_port: bool = False,
-                         stop_event: asyncio.Event | None = None) -> int:
+                         primary_cores: int | None = None, stop_event: asyncio.Event | None = None) -> int:
     """One API-server process: serve until SIGINT/SIGTERM, then refuse new calls, let running
     ones finish for up to ``--shutdown-timeout`` seconds, and stop."""
     loop = asyncio.get_running_loop()
@@ -55,7 +55,8 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
     api = ApiServer(core_address, settings.stream_interval, on_health=on_health, metrics=RequestMetrics(),
                     routing=settings.data_parallel_routing,
                     balance_threshold=settings.data_parallel_balance_threshold,
-                    chat_template=load_chat_template(settings.chat_template) if settings.chat_template else None)
+                    chat_template=load_chat_template(settings.chat_template) if settings.chat_template else None,
+                    primary_cores=primary_cores)
     servers, port, servicer, health_servicer = await build_server(api, listen, reuse_port,
                                                                   listeners=settings.grpc_listeners,
                                                                   api_key=settings.api_key, tls=tls)

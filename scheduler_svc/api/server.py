@@ -59,9 +59,14 @@ class ApiServer:
 
     def __init__(self, core_addresses: str | list[str], stream_interval: int = default_of("stream_interval"),
                  on_health=None, metrics=None, routing: str = default_of("data_parallel_routing"),
-                 balance_threshold: int = default_of("data_parallel_balance_threshold"), chat_template: str | None = None):
-        """``chat_template``: the text of ``--chat-template``, which replaces the model's own."""
+                 balance_threshold: int = default_of("data_parallel_balance_threshold"), chat_template: str | None = None,
+                 primary_cores: int | None = None):
+        """``chat_template``: the text of ``--chat-template``, which replaces the model's own.
+        ``primary_cores``: only the first this many cores may say which model is served (serve's
+        own, beside cores elsewhere); the others are taken once one of those serves, with the same
+        model. None: any core, the first to come up."""
         addresses = split_core_addresses(core_addresses) if isinstance(core_addresses, str) else list(core_addresses)
+        self.primary_cores = len(addresses) if primary_cores is None else primary_cores
         self.metrics = metrics  # RequestMetrics, or None
         self.stream_interval = stream_interval
         self.chat_template = chat_template
@@ -125,6 +130,7 @@ class ApiServer:
         info = link.info
         files = dict(info.tokenizer_files) if "tokenizer.json" in info.tokenizer_files else None
         old = self.model
+        link.waiting_for_model = False
         if old is not None and old.info.model_name == info.model_name and old.files == files:
             if old.info is not info and not any(o.is_serving for o in self.links if o is not link):
                 self.model = ServedModel(info, old.tokenizer, old.offloaded, files)  # same model, maybe new limits
@@ -132,6 +138,10 @@ class ApiServer:
         if old is not None and any(o.is_serving for o in self.links if o is not link):
             log.error("engine core %d (%s) serves %r, the others %r: it takes no requests", link.index,
                       link.core_address, info.model_name, old.info.model_name)
+            return None
+        if link.index >= self.primary_cores:
+            # only the first cores say which model is served: this one waits for one of them
+            link.waiting_for_model = True
             return None
         tokenizer = Tokenizer.from_files(files, self.chat_template) if files is not None else None
         if old is not None and old.offloaded is not None:
@@ -144,6 +154,9 @@ class ApiServer:
         self.model = ServedModel(info, tokenizer, offloaded, files)
         if self.metrics is not None:
             self.metrics.set_model_name(info.model_name)
+        for other in self.links:  # the cores that waited for a first core: theirs may be the same model
+            if other.waiting_for_model:
+                asyncio.get_running_loop().create_task(other.adopt())
         return self.model
 
     def link_changed(self, link: CoreLink) -> None:

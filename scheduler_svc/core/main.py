@@ -34,11 +34,13 @@ log = logging.getLogger("pagewire.scheduler")
 CORE_SERVICE_NAME = "pagewire.v1.SchedulerCore"
 
 
-def api_server_argv(core_address: str, listen: str, settings: Settings, log_level: str) -> list[str]:
+def api_server_argv(core_address: str, listen: str, settings: Settings, log_level: str,
+                    primary_cores: int | None = None) -> list[str]:
     """The command line of an API server (the API key travels in its environment: ``to_env``)."""
+    primary = ["--primary-cores", str(primary_cores)] if primary_cores is not None else []
     return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "api-server",
             "--scheduler", core_address, "--listen", listen, "--reuse-port", "--http-listen", settings.http_listen,
-            "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((API, PUBLIC))]
+            "--shutdown-timeout", str(settings.shutdown_timeout), *primary, *settings.to_argv((API, PUBLIC))]
 
 
 async def run_scheduler(worker_address: str, listen: str | None, settings: Settings, *, core_listen: str | None = None,
