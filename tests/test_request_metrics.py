@@ -202,6 +202,18 @@ def test_samples_cut_off_count_one_by_one_as_finished_ones_do():
     assert [d.index for d in got] == [1] and error.code == grpc.StatusCode.UNAVAILABLE
     assert link.metrics.reasons == ["length", "error", "error"] and link.aborted == []
 
+    async def aborted_by_name():  # the public Abort: the core ends each sample CANCELLED
+        link = _Link()
+        request = ApiRequest(link, "r", [1, 2], SamplingParams(n=2, max_tokens=1))
+        link.outbox.put_nowait(Failure(grpc.StatusCode.CANCELLED, "request 'r' was aborted"))
+        with pytest.raises(RequestError):
+            async for _ in request:
+                pass
+        request.close()
+        return link
+
+    assert asyncio.run(aborted_by_name()).metrics.reasons == ["abort", "abort"]
+
 
 def test_each_core_has_its_own_series_so_no_counter_goes_down(monkeypatch):
     """Two cores: one series each (label engine). When one stops answering its series goes, and

@@ -140,7 +140,8 @@ class ApiRequest:
                     yield deltas
                     if self.finished:
                         return
-                self._end_unfinished("error")
+                # the public Abort ends a request CANCELLED: an abort, as a client's own cancel is
+                self._end_unfinished("abort" if last.code == grpc.StatusCode.CANCELLED else "error")
                 raise RequestError(last.code, last.message)
             self._observe(items)
             self.num_unfinished -= sum(it.finished for it in items)
