@@ -116,7 +116,7 @@ class CoreLink:
         own = len(self.pending)
         return own + max(0, self._reported_load - self._own_at_report)
 
-    def has_room(self, load: int, n: int = 1) -> bool:
+    def has_room(self, load: int, n: int) -> bool:
         """Whether the core can take ``n`` more sequences beside ``load`` without refusing them:
         under ``max_num_seqs``, or in its queue (``--max-queued-requests``; 0: no queue)."""
         info = self.info

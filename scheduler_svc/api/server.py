@@ -190,7 +190,7 @@ class ApiServer:
         for link in self.links:
             link.want_kv_events(any_left or self.router.uses_kv_events)
 
-    def route(self, token_ids: list[int], n: int = 1) -> CoreLink:
+    def route(self, token_ids: list[int], n: int) -> CoreLink:
         """The core that takes a request with this prompt and ``n`` samples (``router.py`` has
         the rules), among the cores with room for it when some have (``CoreLink.has_room``): a
         full core would refuse it while another could run it."""
