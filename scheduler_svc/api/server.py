@@ -78,6 +78,7 @@ class ApiServer:
         self.draining = False  # shutting down: new requests are refused on every door
         self.kv_events = KVEventHub(self._kv_subscribers_changed)  # SubscribeKVEvents streams
         self._adopting = asyncio.Lock()
+        self._adoptions: set[asyncio.Task] = set()  # waiting cores taken on once a first core serves
 
     @property
     def num_cores(self) -> int:
@@ -156,7 +157,9 @@ class ApiServer:
             self.metrics.set_model_name(info.model_name)
         for other in self.links:  # the cores that waited for a first core: theirs may be the same model
             if other.waiting_for_model:
-                asyncio.get_running_loop().create_task(other.adopt())
+                task = asyncio.get_running_loop().create_task(other.adopt())
+                self._adoptions.add(task)  # the loop keeps only a weak reference
+                task.add_done_callback(self._adoptions.discard)
         return self.model
 
     def link_changed(self, link: CoreLink) -> None:
