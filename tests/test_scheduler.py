@@ -225,6 +225,27 @@ def test_forked_samples_keep_to_the_budget_and_max_num_seqs(budget, max_num_seqs
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("num_blocks", [7, 8])
+def test_a_waiting_sample_copies_its_parents_block_before_the_parent_lets_it_go(num_blocks):
+    """A forked sample that waits for room copies its parent's last prompt block in the first plan
+    after the fork all the same: the parent (2 tokens, then done) frees that block while the
+    samples wait, and the long request takes it and writes its own K/V there."""
+    engine, worker = make_engine(num_blocks=num_blocks, block_size=4, budget=2, max_num_seqs=4, prefix=False)
+    long, forked = [12, 12, 22, 8], [17, 2, 46, 31, 77, 5]
+    engine.add_request("long", prompt_token_ids=long, sampling=SamplingParams(temperature=0, max_tokens=20,
+                                                                              ignore_eos=True))
+    engine.add_request("f", prompt_token_ids=forked, sampling=SamplingParams(temperature=0, max_tokens=2, n=4,
+                                                                             ignore_eos=True))
+    outs: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault((o.request_id, o.index), []).extend(o.token_ids)
+        engine.allocator.check_integrity()
+    assert outs == {("long", 0): reference_tokens(long, 20),
+                    **{(f"f#{k}" if k else "f", k): reference_tokens(forked, 2) for k in range(4)}}
+    assert_all_free(engine)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

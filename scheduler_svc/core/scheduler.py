@@ -361,7 +361,16 @@ class Scheduler:
     def _start_forked(self, plan: StepPlan, budget: StepBudget) -> None:
         """Send the forked samples to the worker, oldest first, as many as the step's budget and
         ``max_num_seqs`` leave room for (the others wait for a later step, their blocks held): each
-        computes its last prompt token again (in its own copy of that block) and samples."""
+        computes its last prompt token again (in its own copy of that block) and samples.
+
+        Every sample's copy of that block goes in the first plan after its fork, whether or not
+        the sample starts: the copy takes no reference on the parent's block, which the parent
+        may free (finished, preempted) while the sample waits, and another sequence overwrite."""
+        for sample in self._forked:
+            allocation = sample.fork_allocation
+            if allocation.copies:
+                plan.block_copies.extend(allocation.copies)
+                sample.fork_allocation = allocation._replace(copies=[])
         room = min(budget.tokens, self.config.max_num_seqs - len(self.running))
         if room <= 0:
             return
@@ -369,7 +378,6 @@ class Scheduler:
         for sample in starting:
             allocation = sample.fork_allocation
             sample.fork_allocation = None
-            plan.block_copies.extend(allocation.copies)
             computed = self.batch.computed[sample.slot]  # all of its prompt but the last token
             plan.new_seqs.append(self._new_sequence(sample, allocation.block_ids, computed, 1))
             self._start_running(sample)
