@@ -291,6 +291,43 @@ def test_prompts_that_could_never_start_without_a_queue_are_400_not_429():
     assert rejected == [1]
 
 
+def test_echo_gives_the_prompt_and_its_logprobs_as_log_likelihood_clients_ask(stack):
+    """echo (completions): each choice starts with its prompt; with logprobs the prompt's tokens
+    come with theirs (the first has none), as gRPC's prompt logprobs give them; with max_tokens 0
+    the prompt alone (lm-eval's log-likelihood requests: echo, logprobs, max_tokens 0)."""
+    addr, url, model = stack
+    ids = [300 + i for i in range(9)]
+    params = sampling(max_tokens=1)
+    params.prompt_logprobs = 1
+    responses = list(stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling=params)))
+    expected = list(responses[0].prompt_logprobs)
+    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": ids, "echo": True, "logprobs": 1,
+                                                        "max_tokens": 0, "temperature": 0})
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
+    assert all(len(top) >= 1 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and choice["finish_reason"] == "length"
+    assert choice["text"] == "".join(lp["tokens"])
+    assert answer["usage"]["completion_tokens"] == 0 and answer["usage"]["prompt_tokens"] == len(ids)
+    # with tokens to generate: the prompt, then what the same request without echo answers
+    plain = client(url).completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    echoed = client(url).completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + plain.choices[0].text
+    streamed = client(url).completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True,
+                                              stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+    for body, param in (({"prompt": "x", "echo": True, "n": 2}, "echo"),):
+        status, answer = http_json(url, "/v1/completions", {"model": model, **body})
+        assert status == 400 and answer["error"]["param"] == param, answer
+    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
+                                                             "echo": True})
+    assert status == 400 and answer["error"]["param"] == "echo"
+    assert_all_blocks_free(addr)
+
+
 def test_chat_min_tokens_without_max_tokens(stack):
     addr, url, model = stack
     status, answer = http_json(url, "/v1/chat/completions", {"model": model, "min_tokens": 5,

@@ -15,6 +15,7 @@ Starlette on uvicorn (``benchmarks/http_sse_cost.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -262,6 +263,7 @@ class _Answer:
         self.object = "chat.completion" if parsed.chat else "text_completion"
         self.logprobs: dict[int, LogprobsBuilder] = {}
         self.usage = [0, 0, 0]
+        self._echoed: set[int] = set()  # choices whose prompt went out (echo)
 
     def _index(self, i: int, out: TextDelta) -> int:
         return i * self.parsed.n + out.index
@@ -273,6 +275,35 @@ class _Answer:
             if not out.index:  # the samples of one prompt share it
                 self.usage[0] += u.prompt_tokens
                 self.usage[2] += u.cached_prompt_tokens
+
+    def _echo(self, i: int, out: TextDelta) -> tuple[TextDelta | None, TextDelta]:
+        """With echo: (prompt i as a delta of its own, before the choice's first, else None; ``out``
+        as the answer shows it: with max_tokens 0, nothing of the one token computed but its end).
+        The prompt delta has its text and token ids, and with logprobs the prompt's (the first
+        token has none), which come with the request's first delta."""
+        if not self.parsed.echo:
+            return None, out
+        prefix = None
+        index = self._index(i, out)
+        if index not in self._echoed:
+            self._echoed.add(index)
+            ids = self.reqs[i].prompt_token_ids
+            text = self.parsed.prompts[i].get("prompt")
+            if text is None:
+                text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+            lps = tops = None
+            if self.parsed.num_top_logprobs is not None:
+                computed = out.prompt_logprobs
+                lps = [None, *(computed.logprobs.tolist() if computed is not None else [float("nan")] * (len(ids) - 1))]
+                if self.parsed.num_top_logprobs and computed is not None:
+                    tops = [None, *computed.top_lists()]
+            prefix = TextDelta(out.request_id, list(ids), text, None, lps, top_logprobs=tops, index=out.index)
+        if self.parsed.echo_only:
+            usage = out.usage
+            out = dataclasses.replace(out, token_ids=[], text="", logprobs=[] if out.logprobs is not None else None,
+                                      top_logprobs=None,
+                                      usage=dataclasses.replace(usage, completion_tokens=0) if usage else None)
+        return prefix, out
 
     def _lp(self, index: int, out: TextDelta) -> dict | None:
         if self.parsed.num_top_logprobs is None:
@@ -321,6 +352,12 @@ class _Answer:
         async for i, items in self._merged():
             for out in items:
                 index = self._index(i, out)
+                prefix, out = self._echo(i, out)
+                if prefix is not None:
+                    texts.setdefault(index, []).append(prefix.text)
+                    lp = self._lp(index, prefix)
+                    if lp is not None:
+                        lps.setdefault(index, []).append(lp)
                 texts.setdefault(index, []).append(out.text)
                 ids.setdefault(index, []).extend(out.token_ids)
                 lp = self._lp(index, out)
@@ -362,6 +399,10 @@ class _Answer:
                     chunks = []
                     for out in items:
                         index = self._index(i, out)
+                        prefix, out = self._echo(i, out)
+                        if prefix is not None:  # completions: the prompt, before the choice's first text
+                            chunks.append(self._chunk(head, {"index": index, "text": prefix.text,
+                                                             "logprobs": self._lp(index, prefix), "finish_reason": None}))
                         if chat and index not in started:
                             started.add(index)
                             chunks.append(self._chunk(head, {"index": index, "delta": {"role": "assistant", "content": ""},

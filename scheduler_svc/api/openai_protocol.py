@@ -71,6 +71,8 @@ class ParsedRequest:
     num_top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
     fill_max_tokens: bool = False  # chat without max_tokens: up to the model length
     return_token_ids: bool = False  # each choice also carries its token ids (as vLLM's extra field)
+    echo: bool = False  # completions: each choice starts with its prompt (and, with logprobs, the prompt's)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is computed, not answered)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -229,9 +231,12 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         if "prompt" not in body:
             raise bad("prompt is required", "prompt")
         prompts = _prompts(body["prompt"])
-    for name in ("echo", "include_stop_str_in_output", "continue_final_message"):
+    for name in ("include_stop_str_in_output", "continue_final_message"):
         if _get(body, name, bool, False):
             raise bad(f"{name} is not supported", name)
+    echo = _get(body, "echo", bool, False)
+    if echo and chat:
+        raise bad("echo is not supported on chat completions", "echo")
     if not _get(body, "add_generation_prompt", bool, True):
         raise bad("add_generation_prompt false is not supported: chats are rendered for the assistant's answer",
                   "add_generation_prompt")
@@ -239,6 +244,8 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         raise bad("tools are not supported: this server does not call tools (tool_choice \"none\" leaves them out)",
                   "tools")
     n = _get(body, "n", int, DEFAULT_SAMPLING.n)
+    if echo and n != 1:
+        raise bad("echo with n other than 1 is not supported", "echo")
     if _get(body, "best_of", int, 1) not in (1, n):
         raise bad("best_of other than n is not supported", "best_of")
     if _get(body, "suffix", str, None):
@@ -278,6 +285,11 @@ def parse(body, *, chat: bool) -> ParsedRequest:
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
     min_tokens = _get(body, "min_tokens", int)
+    # echo with max_tokens 0 answers the prompt alone (a log-likelihood request): one token is
+    # computed, for the engine computes at least one, and left out of the answer
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        max_tokens = 1
     # completions without max_tokens get SamplingParams's default, which is OpenAI's
     fill = chat and max_tokens is None
     if fill:
@@ -330,6 +342,8 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         put("logprobs", True)
         if num_top:
             put("top_logprobs", num_top)
+        if echo:  # the prompt's logprobs too
+            put("prompt_logprobs", num_top)
 
     return_ids = _get(body, "return_token_ids", bool, False)
     if unsupported:
@@ -339,7 +353,8 @@ def parse(body, *, chat: bool) -> ParsedRequest:
             sampling, error = SamplingParams(**kw), None
         except (ValueError, TypeError) as e:
             sampling, error = None, str(e)
-    return ParsedRequest(chat, model, prompts, sampling, error, n, stream, include_usage, num_top, fill, return_ids)
+    return ParsedRequest(chat, model, prompts, sampling, error, n, stream, include_usage, num_top, fill, return_ids,
+                         echo=echo, echo_only=echo_only)
 
 
 # ---- responses -------------------------------------------------------------------------------
