@@ -139,6 +139,9 @@ class _Finishes:
     def tokens(self, n: int, itl: float | None) -> None:
         pass
 
+    def queue_time(self, seconds: float, num_prompt_tokens: int) -> None:
+        pass
+
 
 class _Link:
     """The part of a ``CoreLink`` an ``ApiRequest`` uses: it keeps the request's outbox and the
@@ -189,6 +192,7 @@ def test_samples_cut_off_count_one_by_one_as_finished_ones_do():
     async def failed():
         link = _Link()
         request = ApiRequest(link, "r", [1, 2], SamplingParams(n=3, max_tokens=1))
+        request.started()  # the core scheduled it
         link.outbox.put_nowait(finished_delta(1))
         link.outbox.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, "worker unavailable"))
         got = []
@@ -213,6 +217,19 @@ def test_samples_cut_off_count_one_by_one_as_finished_ones_do():
         return link
 
     assert asyncio.run(aborted_by_name()).metrics.reasons == ["abort", "abort"]
+
+    async def refused():  # the core had no room: a refusal, not a finished request
+        link = _Link()
+        request = ApiRequest(link, "r", [1, 2], SamplingParams(n=2, max_tokens=1))
+        link.outbox.put_nowait(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full"))
+        with pytest.raises(RequestError):
+            async for _ in request:
+                pass
+        request.close()
+        return link
+
+    link = asyncio.run(refused())
+    assert link.metrics.reasons == [] and link.aborted == []
 
 
 def test_each_core_has_its_own_series_so_no_counter_goes_down(monkeypatch):

@@ -73,7 +73,7 @@ class RequestMetrics:
         labels = ("model_name", "finished_reason")
         self._success = Counter(PREFIX + "request_success",
                                 "Requests finished, one per sample, by reason (stop, length; abort: the client "
-                                "cancelled or went away; error: the server failed it).",
+                                "cancelled or went away; error: the server failed it after taking it on).",
                                 labelnames=labels, registry=registry)
         self._pending_tokens = 0
         self._pending_itl: dict[float, int] = {}  # an inter-token latency -> how many tokens took it

@@ -140,8 +140,12 @@ class ApiRequest:
                     yield deltas
                     if self.finished:
                         return
-                # the public Abort ends a request CANCELLED: an abort, as a client's own cancel is
-                self._end_unfinished("abort" if last.code == grpc.StatusCode.CANCELLED else "error")
+                if last.code == grpc.StatusCode.CANCELLED:  # the public Abort: an abort, as a client's own cancel
+                    self._end_unfinished("abort")
+                elif self.was_started:  # failed after the core took it on (a lost worker or core)
+                    self._end_unfinished("error")
+                else:  # refused before it started (no room, a full queue, a duplicate id): not a finished request
+                    self.finished = True
                 raise RequestError(last.code, last.message)
             self._observe(items)
             self.num_unfinished -= sum(it.finished for it in items)
