@@ -206,29 +206,20 @@ def test_samples_cut_off_count_one_by_one_as_finished_ones_do():
     assert [d.index for d in got] == [1] and error.code == grpc.StatusCode.UNAVAILABLE
     assert link.metrics.reasons == ["length", "error", "error"] and link.aborted == []
 
-    async def aborted_by_name():  # the public Abort: the core ends each sample CANCELLED
+    async def ended_before_any_token(code: grpc.StatusCode) -> _Link:
         link = _Link()
         request = ApiRequest(link, "r", [1, 2], SamplingParams(n=2, max_tokens=1))
-        link.outbox.put_nowait(Failure(grpc.StatusCode.CANCELLED, "request 'r' was aborted"))
+        link.outbox.put_nowait(Failure(code, "ended"))
         with pytest.raises(RequestError):
             async for _ in request:
                 pass
         request.close()
         return link
 
-    assert asyncio.run(aborted_by_name()).metrics.reasons == ["abort", "abort"]
-
-    async def refused():  # the core had no room: a refusal, not a finished request
-        link = _Link()
-        request = ApiRequest(link, "r", [1, 2], SamplingParams(n=2, max_tokens=1))
-        link.outbox.put_nowait(Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full"))
-        with pytest.raises(RequestError):
-            async for _ in request:
-                pass
-        request.close()
-        return link
-
-    link = asyncio.run(refused())
+    # the public Abort: the core ends each sample CANCELLED
+    assert asyncio.run(ended_before_any_token(grpc.StatusCode.CANCELLED)).metrics.reasons == ["abort", "abort"]
+    # the core had no room: a refusal, not a finished request
+    link = asyncio.run(ended_before_any_token(grpc.StatusCode.RESOURCE_EXHAUSTED))
     assert link.metrics.reasons == [] and link.aborted == []
 
 
