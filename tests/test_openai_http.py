@@ -1,77 +1,34 @@
 """The OpenAI-compatible HTTP door and /metrics, driven by the official ``openai`` client, against
-a worker, a scheduler core and two API servers running as separate processes."""
+a worker, a scheduler core and two API servers running as separate processes: what it answers
+equals what gRPC answers (texts, token ids, logprobs, samples, structured output, echo), and the
+metrics count it. What it refuses is in test_openai_http_refusals.py."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
-import urllib.error
 import urllib.request
 
-import grpc
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagewire_common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pagewire_common.v1 import generation_pb2 as pb
-from tests.service_utils import sampling, start_scheduler, start_worker, stub, wait_until
+from tests.openai_stack import (
+    PROMPTS,
+    assert_all_blocks_free,
+    client,
+    grpc_text,
+    http_json,
+    open_stack,
+)
+from tests.service_utils import sampling, stub, wait_until
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["the quick brown fox", "hello world, this is", "once upon a time in", "numbers: 1 2 3"]
-
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama-gqa")
-
-
-@pytest.fixture(scope="module")
-def stack(model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("http")
-    worker, worker_addr = start_worker(model_dir, tmp, extra=["--block-size", "4", "--num-kv-blocks", "400"])
-    sched, addr = start_scheduler(worker_addr, tmp, extra=["--api-servers", "2", "--max-num-batched-tokens", "64",
-                                                           "--max-num-seqs", "8", "--max-queued-requests", "4"])
-    url = sched.http_url()
-    model = stub(addr).GetModelInfo(pb.ModelInfoRequest()).model_name
-    yield addr, url, model
-    sched.stop()
-    worker.stop()
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def grpc_text(addr: str, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
-    responses = list(stub(addr).Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling(max_tokens=max_tokens))))
-    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids]
-
-
-def http_json(url: str, path: str, body=None, method: str | None = None) -> tuple[int, dict | str]:
-    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            raw = r.read().decode()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read().decode(), e.code
-    try:
-        return status, json.loads(raw)
-    except json.JSONDecodeError:
-        return status, raw
-
-
-def assert_all_blocks_free(addr):
-    def done():
-        s = stub(addr).GetStats(pb.StatsRequest())
-        return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_total_blocks and s
-
-    return wait_until(done, timeout=10)
+def stack(tiny_model_dir, tmp_path_factory):
+    yield from open_stack(tiny_model_dir("llama-gqa"), tmp_path_factory.mktemp("http"))
 
 
 def test_completions_text_equals_grpc_streamed_and_not(stack):
@@ -148,149 +105,6 @@ def test_logprobs_match_grpc(stack):
     assert "".join(legacy.choices[0].logprobs.tokens) == legacy.choices[0].text
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "max_tokens": 0}, None),
-    ({"prompt": "x", "temperature": -1}, None),
-    ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "top_p": 0}, None),
-    ({"prompt": "x", "max_tokens": 100000}, None),
-    ({"prompt": [1, 2, 10**7]}, None),
-    ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "stop": 5}, "stop"),
-    ({"prompt": "x", "stop": ["x" * MAX_STOP_CHARS, "y"]}, "stop"),
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
-    ({}, "prompt"),
-    ({"prompt": "x", "guided_choice": []}, "guided_choice"),
-    ({"prompt": "x", "guided_choice": ["a", 3]}, "guided_choice"),
-    ({"prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-     "structured_outputs"),
-    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
-    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-])
-def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):
-    addr, url, model = stack
-    before = stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected
-    status, answer = http_json(url, "/v1/completions", {"model": model, **body})
-    assert status == 400, answer
-    assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
-    assert answer["error"]["type"] == "invalid_request_error"
-    if param:
-        assert answer["error"]["param"] == param
-    # the API server that refused it tells the core in its next message (GetStats may reach the other one)
-    assert wait_until(lambda: stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected == before + 1, timeout=5)
-    if "prompt" in body:  # the SDK itself insists on a prompt; vLLM's extensions go in extra_body
-        extra = {k: body[k] for k in ("prompt_logprobs", "guided_choice", "guided_regex", "structured_outputs",
-                                      "include_stop_str_in_output", "response_format") if k in body}
-        sdk = {k: v for k, v in body.items() if k not in extra}
-        with pytest.raises(openai.BadRequestError):
-            client(url).completions.create(**{"model": model, **sdk}, extra_body=extra or None)
-
-
-# each of these once wedged the API server that took it: its add failed to encode in the message
-# to the core, and with it the writer of every later message
-@pytest.mark.parametrize("extra,words", [
-    ({"stop": ["\ud83d"]}, "stop: lone surrogate"),
-    ({"prompt": "half an emoji \ud83d"}, "prompt: lone surrogate"),
-    ({"top_k": 2**40}, "top_k"),
-    ({"stop_token_ids": [2**40]}, "stop_token_ids"),
-    ({"stop_token_ids": [10**6], "min_tokens": 2}, "outside the vocabulary"),
-    ({"max_tokens": 2**40}, "max_tokens"),
-])
-def test_values_the_wire_cannot_carry_are_400_and_the_server_goes_on(stack, extra, words):
-    addr, url, model = stack
-    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 3, **extra})
-    assert status == 400, answer
-    message = answer["error"]["message"]
-    assert all(w.strip() in message for w in words.split(":")), message
-    assert_all_blocks_free(addr)
-    for _ in range(4):  # both API servers still reach the core
-        status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 3})
-        assert status == 200 and answer["choices"][0]["finish_reason"] == "length", answer
-
-
-def test_bodies_that_are_not_plain_json_objects_are_400(stack):
-    addr, url, model = stack
-    deep = b'{"prompt":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    for path in ("/v1/completions", "/tokenize"):
-        status, answer = http_json(url, path, deep)
-        assert status == 400 and "nests too deeply" in answer["error"]["message"], answer
-    for path in ("/tokenize", "/detokenize"):
-        for body in ([1, 2], None, "abc"):
-            status, answer = http_json(url, path, json.dumps(body).encode())
-            assert status == 400 and answer["error"]["message"] == "the request body must be a JSON object", answer
-    status, answer = http_json(url, "/tokenize", {"prompt": "a\ud800b"})
-    assert status == 400 and "prompt is not valid Unicode text" in answer["error"]["message"], answer
-    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [
-        {"role": "user", "content": "\udfff"}]})
-    assert status == 400 and "messages[0].content is not valid Unicode text" in answer["error"]["message"], answer
-    # a surrogate pair is an emoji, not an error
-    status, answer = http_json(url, "/tokenize", {"prompt": "\ud83d\ude00"})
-    assert status == 200 and answer["count"] > 0, answer
-    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2,
-                                                        "logit_bias": {"5": True}})
-    assert status == 400 and answer["error"]["param"] == "logit_bias", answer
-
-
-def test_unknown_model_is_404_as_openai_answers(stack):
-    addr, url, model = stack
-    before = stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected
-    status, answer = http_json(url, "/v1/completions", {"model": "not-this-one", "prompt": "x"})
-    assert status == 404 and answer["error"]["code"] == "model_not_found" and answer["error"]["param"] == "model"
-    assert wait_until(lambda: stub(addr).GetStats(pb.StatsRequest()).num_requests_rejected == before + 1, timeout=5)
-    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
-        status, answer = http_json(url, path, {"model": "not-this-one", **body})
-        assert status == 404 and answer["error"]["code"] == "model_not_found", answer
-        assert http_json(url, path, {"model": model, **body})[0] == 200
-    status, answer = http_json(url, "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
-    assert status == 400 and "not both" in answer["error"]["message"], answer
-
-
-def test_a_refused_prompt_of_several_runs_none_of_them(stack):
-    """The second prompt is too long: the request is refused whole, and the first never ran (it
-    is not counted as an aborted request in the metrics)."""
-    addr, url, model = stack
-
-    def aborted() -> float:
-        families = text_string_to_metric_families(http_json(url, "/metrics")[1])
-        return sum(s.value for f in families for s in f.samples
-                   if s.name == "pagewire:request_success_total" and s.labels.get("finished_reason") == "abort")
-
-    before = aborted()
-    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": ["a", "x " * 3000], "max_tokens": 2})
-    assert status == 400, answer
-    assert aborted() == before
-    assert_all_blocks_free(addr)
-
-
-def test_prompts_that_could_never_start_without_a_queue_are_400_not_429():
-    """--max-queued-requests 0 takes a request only when it can start at once: prompts whose samples
-    together are more than max_num_seqs could never start, so they are refused as invalid (and
-    counted), not told to retry; with a queue they wait their turn."""
-    from types import SimpleNamespace
-
-    from pagewire_common.sampling import SamplingParams
-    from pagewire_common.v1 import core_pb2
-    from scheduler_svc.api.request import CheckedRequest, RequestError, check_together
-
-    rejected = []
-
-    def api(**queue):
-        info = core_pb2.CoreInfoResponse(max_num_seqs=4, **queue)
-        return SimpleNamespace(model=SimpleNamespace(info=info), reject=lambda: rejected.append(1))
-
-    two = [CheckedRequest("a", [1], SamplingParams(n=2)), CheckedRequest("b", [2], SamplingParams(n=3))]
-    with pytest.raises(RequestError) as err:
-        check_together(api(max_queued_requests=0), two)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "2 prompts make 5 sequences, more than max_num_seqs (4)" in err.value.message and rejected == [1]
-    check_together(api(max_queued_requests=1), two)
-    check_together(api(max_queued_requests=0), [two[0], CheckedRequest("c", [3], SamplingParams(n=2))])  # 4 fit
-    assert rejected == [1]
-
-
 def test_echo_gives_the_prompt_and_its_logprobs_as_log_likelihood_clients_ask(stack):
     """echo (completions): each choice starts with its prompt; with logprobs the prompt's tokens
     come with theirs (the first has none), as gRPC's prompt logprobs give them; with max_tokens 0
@@ -336,69 +150,11 @@ def test_chat_min_tokens_without_max_tokens(stack):
     assert answer["usage"]["completion_tokens"] >= 5
 
 
-def test_ten_thousand_stop_strings_are_400_naming_the_limit(stack):
-    addr, url, model = stack
-    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
-                                                              "stop": [f"s{i}" for i in range(10_000)]})
-    assert status == 400 and answer["error"]["param"] == "stop"
-    assert answer["error"]["message"] == f"at most {MAX_STOP_STRINGS} stop strings are allowed, got 10000"
-
-
-def test_bad_json_unknown_route_and_unknown_fields(stack):
-    addr, url, model = stack
-    status, answer = http_json(url, "/v1/completions", b"{not json")
-    assert status == 400 and "JSON" in answer["error"]["message"]
-    status, answer = http_json(url, "/v1/nothing-here")
-    assert status == 404 and "error" in answer
-    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
-                                                              "max_tokens": 3, "some_future_field": {"a": 1}, "user": "u1"})
-    assert status == 200 and answer["choices"][0]["message"]["content"] is not None
-    # known fields this server cannot honour are refused, not dropped
-    chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for extra, param in (({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
-                         ({"continue_final_message": True}, "continue_final_message"),
-                         ({"add_generation_prompt": False}, "add_generation_prompt")):
-        status, answer = http_json(url, "/v1/chat/completions", {**chat, **extra})
-        assert status == 400 and answer["error"]["param"] == param, answer
-    status, answer = http_json(url, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"})
-    assert status == 200, answer
-
-
 def test_models_and_health(stack):
     addr, url, model = stack
     models = client(url).models.list()
     assert [m.id for m in models.data] == [model]
     assert http_json(url, "/health")[0] == 200
-
-
-def test_full_queue_is_429(stack):
-    addr, url, model = stack
-    # 8 running + 4 waiting fill the core; more requests at once are refused with 429, which the
-    # official client raises as RateLimitError
-    results: list[str] = []
-    # the clients are built first and the requests leave together: built one by one as they went,
-    # the first requests could finish before the last were sent, and the queue never filled
-    clients = [client(url) for _ in range(24)]
-    start = threading.Barrier(len(clients))
-
-    def one(c):
-        start.wait()
-        try:
-            c.completions.create(model=model, prompt=PROMPTS[2], max_tokens=40, temperature=0,
-                                 extra_body={"ignore_eos": True})
-            results.append("ok")
-        except openai.RateLimitError as e:
-            assert e.status_code == 429 and e.body["type"] == "rate_limit_error"
-            results.append("429")
-
-    threads = [threading.Thread(target=one, args=(c,)) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(results) == 24 and "429" in results and "ok" in results, results
-    assert_all_blocks_free(addr)
 
 
 def test_client_disconnect_frees_blocks(stack):
@@ -471,13 +227,6 @@ def test_metrics_count_known_requests_across_two_api_servers(stack):
     assert 0 <= after[("pagewire:kv_cache_usage_perc", core)] <= 1
 
 
-def test_grpc_errors_still_grpc(stack):
-    addr, url, model = stack
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub(addr).Generate(pb.GenerateRequest(prompt="x", sampling=sampling(max_tokens=10**6))))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-
-
 def controls(**kw) -> pb.SamplingParams:
     """Any SamplingParams field as protobuf (greedy unless given)."""
     from pagewire import SamplingParams
@@ -529,24 +278,6 @@ def test_top_logprobs_match_grpc(stack):
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy: the best one
-
-
-@pytest.mark.parametrize("extra", [
-    {"presence_penalty": -3.0},
-    {"repetition_penalty": -1.0},
-    {"top_logprobs": 21, "logprobs": True},
-    {"logit_bias": {"999999": 1.0}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-    {"guided_regex": "(unclosed"},
-    {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
-])
-def test_bad_sampling_controls_are_400(stack, extra):
-    addr, url, model = stack
-    status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
-                                                              "max_tokens": 4, **extra})
-    assert status == 400, answer
-    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
-    assert_all_blocks_free(addr)
 
 
 def test_penalties_and_bias_reach_the_sampler(stack):
