@@ -32,7 +32,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy decoding; ``top_k == 0`` and ``top_p == 1.0`` switch
     those filters off. ``seed`` makes a sampled request reproducible: the same prompt,
     parameters and seed give the same tokens whatever else is in the batch. ``stop`` strings
-    end generation and are cut from the returned text; ``stop_token_ids`` end it and are kept
+    end generation and are cut from the returned text (kept at its end with
+    ``include_stop_str_in_output``); ``stop_token_ids`` end it and are kept
     in ``token_ids``. ``logprobs`` asks for the log-probability of each sampled token under the
     model's distribution (before temperature and filters).
 
@@ -83,6 +84,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples so the params stay hashable.

@@ -110,6 +110,7 @@ def _decode_sampling(msg: gen_pb.SamplingParams) -> SamplingParams:
         regex=msg.regex or None,
         grammar=msg.grammar or None,
         prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
+        include_stop_str_in_output=bool(msg.include_stop_str_in_output),
     )
 
 
@@ -170,6 +171,7 @@ def _encode_sampling(params: SamplingParams) -> gen_pb.SamplingParams:
         json_schema=params.json_schema or "",
         regex=params.regex or "",
         grammar=params.grammar or "",
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
     if params.seed is not None:
         msg.seed = params.seed

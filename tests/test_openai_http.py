@@ -142,6 +142,24 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_log_likelihood_clients_ask(st
     assert_all_blocks_free(addr)
 
 
+def test_stop_strings_are_cut_or_kept_with_include_stop_str_in_output(stack):
+    addr, url, model = stack
+    c = client(url)
+    text, _ = grpc_text(addr, PROMPTS[2], 16)
+    stop = text[len(text) // 2 :][:3]
+    assert len(stop) == 3, text
+    cut = c.completions.create(model=model, prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    kept_text = text[: text.index(stop) + len(stop)]
+    for stream in (False, True):
+        out = c.completions.create(model=model, prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=stop,
+                                   stream=stream, extra_body={"include_stop_str_in_output": True})
+        chunks = list(out) if stream else [out]
+        assert "".join(ch.choices[0].text for ch in chunks) == kept_text
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    assert_all_blocks_free(addr)
+
+
 def test_chat_min_tokens_without_max_tokens(stack):
     addr, url, model = stack
     status, answer = http_json(url, "/v1/chat/completions", {"model": model, "min_tokens": 5,

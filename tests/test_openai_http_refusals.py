@@ -50,7 +50,7 @@ def stack(tiny_model_dir, tmp_path_factory):
      "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
-    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_input_is_400_with_the_openai_error_shape(stack, body, param):

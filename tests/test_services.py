@@ -109,6 +109,14 @@ def test_stop_strings_are_cut(services, offline):
     )
     assert cut == text[: text.index(stop)]
     assert responses[-1].finish_reason == pb.STOP
+    # include_stop_str_in_output: the text ends with the stop string, here and offline
+    kept_sampling = sampling(max_tokens=30, ignore_eos=True, stop=[stop])
+    kept_sampling.include_stop_str_in_output = True
+    _, kept, responses = collect(s.Generate(pb.GenerateRequest(prompt="The river ", sampling=kept_sampling)))
+    assert kept == text[: text.index(stop) + len(stop)] and responses[-1].finish_reason == pb.STOP
+    out = offline.generate("The river ", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop],
+                                                        include_stop_str_in_output=True))[0]
+    assert out.text == kept and out.finish_reason == "stop"
 
 
 def test_chat_uses_template(services, offline):

@@ -16,8 +16,9 @@ class BruteForceStops:
     """The search the automaton replaced: every stop string looked for in the new text, the
     earliest match cut, and the longest tail that is a proper prefix of a stop string held back."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include: bool = False):
         self.stops = stops
+        self.include = include  # include_stop_str_in_output: the text ends with the stop string
         self.text = ""
         self.num_emitted_chars = 0
         self.stopped = False
@@ -31,6 +32,8 @@ class BruteForceStops:
         hit = min((p for p in (self.text.find(s, start) for s in self.stops) if p >= 0), default=-1)
         if hit >= 0:
             self.stopped = True
+            if self.include:  # of the strings that start there, the shortest ends first
+                hit += min(len(s) for s in self.stops if self.text.find(s, start) == hit)
             self.text = self.text[:hit]
             emit_upto = hit
         elif not is_final:
@@ -53,16 +56,17 @@ class ChunkTokenizer:
         self.token_bytes = [c.encode() for c in chunks]
 
 
-def detokenize(chunks: list[str], stops: tuple[str, ...],
-               is_final: bool = True) -> tuple[list[str], IncrementalDetokenizer]:
+def detokenize(chunks: list[str], stops: tuple[str, ...], is_final: bool = True,
+               include: bool = False) -> tuple[list[str], IncrementalDetokenizer]:
     """Each chunk fed as one token; the deltas and the detokenizer."""
-    detok = IncrementalDetokenizer.for_prompt(ChunkTokenizer(chunks), 0, stops)
+    detok = IncrementalDetokenizer.for_prompt(ChunkTokenizer(chunks), 0, stops, include_stop=include)
     deltas = [detok.update(list(range(i + 1)), is_final=is_final and i == len(chunks) - 1) for i in range(len(chunks))]
     return deltas, detok
 
 
-def brute_force(chunks: list[str], stops: tuple[str, ...], is_final: bool = True) -> tuple[list[str], BruteForceStops]:
-    ref = BruteForceStops(stops)
+def brute_force(chunks: list[str], stops: tuple[str, ...], is_final: bool = True,
+                include: bool = False) -> tuple[list[str], BruteForceStops]:
+    ref = BruteForceStops(stops, include)
     deltas = [ref.update(c, is_final=is_final and i == len(chunks) - 1) for i, c in enumerate(chunks)]
     return deltas, ref
 
@@ -86,6 +90,14 @@ def test_of_stops_completed_together_the_earliest_starting_is_cut():
     # fed as "xabc" then "d", "bc" is complete first and wins
     deltas, detok = detokenize(["xabc", "d", "tail"], ("bc", "abcd"))
     assert deltas == ["xa", "", ""] and detok.text == "xa"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_cuts_what_follows():
+    deltas, detok = detokenize(["the cat", " sat. E", "ND and", " more"], ("END",), include=True)
+    assert deltas == ["the cat", " sat. ", "END", ""] and detok.stopped and detok.text == "the cat sat. END"
+    # the earliest-starting string is kept whole, though a shorter one inside it ends first
+    deltas, detok = detokenize(["xabcd", "tail"], ("bc", "abcd"), include=True)
+    assert deltas == ["xabcd", ""] and detok.text == "xabcd"
 
 
 def test_overlapping_occurrence_is_found_and_cut_at_its_start():
@@ -135,16 +147,17 @@ def test_matcher_state_is_the_longest_stop_prefix_ending_the_text():
 # ---- the automaton against the brute force -----------------------------------------------------
 
 
+@pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("alphabet", ["ab", "abc", "ab\u00e9\U0001f642"])
-def test_random_texts_and_stop_sets_match_the_brute_force(alphabet):
+def test_random_texts_and_stop_sets_match_the_brute_force(alphabet, include):
     rng = random.Random(alphabet)
     for trial in range(400):
         stops = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 6)))
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
         chunks = random_chunks(rng, text) or [""]
         is_final = rng.random() < 0.5
-        got, detok = detokenize(chunks, stops, is_final)
-        want, ref = brute_force(chunks, stops, is_final)
+        got, detok = detokenize(chunks, stops, is_final, include)
+        want, ref = brute_force(chunks, stops, is_final, include)
         assert (got, detok.stopped, detok.text) == (want, ref.stopped, ref.text), (stops, chunks, is_final)
 
 

@@ -231,9 +231,8 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         if "prompt" not in body:
             raise bad("prompt is required", "prompt")
         prompts = _prompts(body["prompt"])
-    for name in ("include_stop_str_in_output", "continue_final_message"):
-        if _get(body, name, bool, False):
-            raise bad(f"{name} is not supported", name)
+    if _get(body, "continue_final_message", bool, False):
+        raise bad("continue_final_message is not supported", "continue_final_message")
     echo = _get(body, "echo", bool, False)
     if echo and chat:
         raise bad("echo is not supported on chat completions", "echo")
@@ -307,6 +306,7 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         except ValueError as e:
             raise bad(str(e), "stop") from None
         put("stop", tuple(stop))
+    put("include_stop_str_in_output", _get(body, "include_stop_str_in_output", bool))
     if body.get("stop_token_ids") is not None:
         put("stop_token_ids", tuple(_int_list(body["stop_token_ids"], "stop_token_ids")))
     put("ignore_eos", _get(body, "ignore_eos", bool))

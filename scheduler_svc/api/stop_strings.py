@@ -96,12 +96,13 @@ class StopStrings:
 class StopMatcher:
     """One stream's walk through a ``StopStrings`` automaton."""
 
-    __slots__ = ("stops", "state", "num_chars")
+    __slots__ = ("stops", "state", "num_chars", "match_length")
 
     def __init__(self, stops: StopStrings):
         self.stops = stops
         self.state = 0
         self.num_chars = 0  # characters fed so far
+        self.match_length = 0  # the length of the stop string the last hit ``feed`` returned
 
     @property
     def num_held(self) -> int:
@@ -111,7 +112,8 @@ class StopMatcher:
 
     def feed(self, text: str) -> int | None:
         """Read ``text``, the characters decoded since the last call. Returns where (an offset in
-        all the text fed) the stop string that ends in ``text`` and starts first begins, or None.
+        all the text fed) the stop string that ends in ``text`` and starts first begins, or None;
+        that string's length is then ``match_length``.
 
         Of several stop strings completed by one call the earliest-starting wins, even one that
         ends after another: with stops "abcd" and "bc", "abcd" in one call cuts before "a", while
@@ -129,6 +131,7 @@ class StopMatcher:
             length = out[state]  # the longest stop string ending here starts earliest
             if length and (first is None or end - length < first):
                 first = end - length
+                self.match_length = length
         self.state = state
         self.num_chars = end
         return first

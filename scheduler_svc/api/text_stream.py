@@ -44,7 +44,8 @@ class TextStream:
         self.index = index  # which of the request's n samples
         self.n = sampling.n
         self.detokenizer = (
-            IncrementalDetokenizer.for_prompt(tokenizer, self.num_prompt_tokens, sampling.stop, stop_strings)
+            IncrementalDetokenizer.for_prompt(tokenizer, self.num_prompt_tokens, sampling.stop, stop_strings,
+                                              sampling.include_stop_str_in_output)
             if tokenizer is not None else None
         )
         self.detokenize_each_token = self.detokenizer is not None and bool(sampling.stop)

@@ -151,14 +151,16 @@ class IncrementalDetokenizer:
     (``decode`` of the whole list gives the same text). Other tokenizers decode a short window
     of already-emitted tokens plus the new ones and emit the suffix, holding back a trailing
     U+FFFD ("not yet"). Text that might be the start of a stop string is held back too, and a
-    completed stop string is cut with all that follows: each new character is one step of the
-    stop strings' automaton (``stop_strings.py``), whatever their number.
+    completed stop string is cut with all that follows (``include_stop``: what follows it): each
+    new character is one step of the stop strings' automaton (``stop_strings.py``), whatever
+    their number.
     """
 
     tokenizer: Tokenizer
     prefix_offset: int
     read_offset: int
     stop: tuple[str, ...] = ()
+    include_stop: bool = False  # a stop string found stays at the end of the text
     text: str = ""  # output text decoded so far (stop string not cut yet); the byte path without stop strings keeps none
     num_emitted_chars: int = 0
     stopped: bool = False
@@ -167,11 +169,12 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_prompt(cls, tokenizer: Tokenizer, num_prompt_tokens: int, stop: tuple[str, ...] = (),
-                   stop_strings: StopStrings | None = None):
+                   stop_strings: StopStrings | None = None, include_stop: bool = False):
         """``stop_strings``: the automaton of ``stop``, when the caller shares one between the
-        samples of a request; built here otherwise."""
+        samples of a request; built here otherwise. ``include_stop``: the text ends with the stop
+        string found rather than before it."""
         # a few prompt tokens of context make the first output tokens decode as they will in full
-        detok = cls(tokenizer, max(num_prompt_tokens - 5, 0), num_prompt_tokens, tuple(stop))
+        detok = cls(tokenizer, max(num_prompt_tokens - 5, 0), num_prompt_tokens, tuple(stop), include_stop)
         if tokenizer.token_bytes is not None:
             detok._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         if stop:
@@ -226,6 +229,8 @@ class IncrementalDetokenizer:
         hit = matcher.feed(self.text[matcher.num_chars :])
         if hit is not None and may_stop:
             self.stopped = True
+            if self.include_stop:
+                hit += matcher.match_length
             self.text = self.text[:hit]
             emit_upto = hit
         elif not is_final:
