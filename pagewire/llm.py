@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 from pagewire_common import step_profile
-from pagewire_common.chat_template import load_chat_template
+from pagewire_common.chat_template import ChatOptions, load_chat_template
 from pagewire_common.core_messages import CoreOutputs
 from pagewire_common.requests import TextDelta, Usage
 from pagewire_common.sampling import SamplingParams, check_text
@@ -225,13 +225,16 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         chat_template: str | None = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = ChatOptions().add_generation_prompt,
+        continue_final_message: bool = ChatOptions().continue_final_message,
     ) -> list[GenerationOutput]:
         """Answer each conversation, as the served ``Chat`` and ``/v1/chat/completions`` do:
         ``messages`` is one conversation (a list of ``{"role": ..., "content": ...}``) or a list of
         them, each rendered with the model's chat template, or with ``chat_template`` (a Jinja
         file's path or the template itself, as ``--chat-template`` takes), then generated as
-        ``generate`` does; one output per conversation, in order."""
+        ``generate`` does; one output per conversation, in order. ``add_generation_prompt`` and
+        ``continue_final_message`` say how a rendered conversation ends (``ChatOptions``)."""
+        ChatOptions(add_generation_prompt, continue_final_message)  # checks the pair
         if not messages:
             raise ValueError("messages is empty: give a conversation or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -244,7 +247,7 @@ class LLM:
                 if isinstance(conversation, (str, dict)) or not conversation:
                     raise ValueError("it must be a non-empty list of messages")
                 prompts.append(self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt,
-                                                                  template))
+                                                                  template, continue_final_message))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
         return self.generate(prompts, sampling_params)

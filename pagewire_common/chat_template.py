@@ -9,7 +9,45 @@ settings check a template at start with ``load_chat_template``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a conversation ends when rendered. ``add_generation_prompt``: with the template's
+    opening of the assistant's turn, so the model answers (the usual). ``continue_final_message``:
+    inside the final message, cut after its text with no end of turn, so the model goes on with it
+    (an answer begun for it). ``ValueError`` for both at once, as vLLM answers."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: "
+                             "set add_generation_prompt to false to continue the final message")
+
+
+def cut_after_final_message(rendered: str, messages: list[dict[str, str]]) -> str:
+    """``rendered`` (a conversation rendered without the generation prompt) up to the end of its
+    final message's text: what the model continues under ``continue_final_message``. The text is
+    found as the template wrote it, its surrounding whitespace kept only where the template kept
+    it; ``ValueError`` when the template changed it beyond that, or it is empty."""
+    content = messages[-1]["content"]
+    core = content.strip()
+    if not core:
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    start = rendered.rfind(core)
+    if start < 0:
+        raise ValueError("continue_final_message: the chat template changes the final message's text, "
+                         "so it cannot be continued")
+    # leading whitespace is trimmed or not by the template before ``core``; trailing whitespace is
+    # kept when the template kept it
+    with_tail = content.lstrip()
+    if rendered.startswith(with_tail, start):
+        return rendered[: start + len(with_tail)]
+    return rendered[: start + len(core)]
 
 
 def _raise_template_error(message: str):

@@ -4,6 +4,7 @@ scheduler starts."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from pagewire_common.chat_template import load_chat_template
@@ -74,6 +75,32 @@ def test_it_replaces_the_models_own_inline_and_in_the_helper(model_dir):
         offloaded.close()
 
 
+@pytest.mark.parametrize("final", ["Once upon a", "  leading spaces", "trailing spaces  ", "\n both \n", "a\nb"])
+def test_continue_final_message_renders_as_transformers_does(model_dir, final):
+    """The conversation ends inside its final message, cut where transformers' own
+    ``continue_final_message`` cuts it, whitespace included."""
+    from transformers import AutoTokenizer
+
+    messages = [*MESSAGES, {"role": "assistant", "content": final}]
+    ours = Tokenizer(model_dir).apply_chat_template(messages, add_generation_prompt=False,
+                                                    continue_final_message=True)
+    theirs = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, tokenize=False,
+                                                                         continue_final_message=True)
+    assert ours == theirs and final.strip() in ours
+
+
+def test_continue_final_message_refusals(model_dir):
+    tokenizer = Tokenizer(model_dir)
+    messages = [*MESSAGES, {"role": "assistant", "content": "Waves"}]
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="final message with text"):
+        tokenizer.apply_chat_template([*MESSAGES, {"role": "assistant", "content": " "}], False, None, True)
+    shouting = "{% for m in messages %}{{ m['content'] | upper }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="changes the final message"):
+        tokenizer.apply_chat_template(messages, False, shouting, True)
+
+
 @pytest.mark.slow
 def test_the_api_servers_render_chats_with_it(model_dir, template_file, tmp_path):
     """The scheduler hands --chat-template to the API servers it starts: Tokenize shows the prompt,
@@ -89,6 +116,24 @@ def test_the_api_servers_render_chats_with_it(model_dir, template_file, tmp_path
         generated = [t for r in client.Generate(pb.GenerateRequest(prompt=RENDERED, sampling=params))
                      for t in r.token_ids]
         assert len(chat_ids) == 6 and chat_ids == generated
+        # how the conversation ends: after its last message, or inside it
+        plain = client.Tokenize(pb.TokenizeRequest(messages=chat, add_generation_prompt=False)).prompt
+        assert plain == RENDERED.removesuffix("assistant:")
+        begun = [*chat, pb.ChatMessage(role="assistant", content="The sea is")]
+        request = pb.ChatRequest(messages=begun, sampling=params, add_generation_prompt=False,
+                                 continue_final_message=True)
+        continued = [t for r in client.Chat(request) for t in r.token_ids]
+        prompt = RENDERED.removesuffix("assistant:") + "assistant: The sea is"
+        assert client.Tokenize(pb.TokenizeRequest(messages=begun, add_generation_prompt=False,
+                                                  continue_final_message=True)).prompt == prompt
+        assert continued == [t for r in client.Generate(pb.GenerateRequest(prompt=prompt, sampling=params))
+                             for t in r.token_ids]
+        for call in (lambda: list(client.Chat(pb.ChatRequest(messages=begun, sampling=params,
+                                                            continue_final_message=True))),
+                     lambda: client.Tokenize(pb.TokenizeRequest(messages=begun, continue_final_message=True))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot both be true" in err.value.details()
     finally:
         sched.stop()
         worker.stop()
@@ -114,6 +159,12 @@ def test_the_offline_llm_chats_as_the_servers_do(model_dir, template_file):
         assert llm.chat(MESSAGES, params, chat_template=TEMPLATE)[0].token_ids == two[0].token_ids
         unprompted = llm.chat(MESSAGES, params, chat_template=TEMPLATE, add_generation_prompt=False)[0]
         assert unprompted.prompt_token_ids == llm.tokenizer.encode(RENDERED.removesuffix("assistant:"))
+        begun = [*MESSAGES, {"role": "assistant", "content": "The sea is"}]
+        continued = llm.chat(begun, params, chat_template=TEMPLATE, add_generation_prompt=False,
+                             continue_final_message=True)[0]
+        assert continued.prompt_token_ids == llm.tokenizer.encode(RENDERED + " The sea is")
+        with pytest.raises(ValueError, match="cannot both be true"):
+            llm.chat(begun, params, continue_final_message=True)
         for bad, message in (([], "messages is empty"), ([MESSAGES, []], "conversation 1: it must be a non-empty"),
                              ([[{"role": "user"}]], "conversation 0: every chat message needs string content")):
             with pytest.raises(ValueError, match=message):

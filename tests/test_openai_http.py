@@ -69,6 +69,27 @@ def test_chat_completions_text_equals_grpc_chat(stack):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_chat_continues_the_final_message_when_asked(stack):
+    """continue_final_message with add_generation_prompt false: the rendering ends inside the final
+    (assistant) message, and the answer is what Generate gives for that prompt."""
+    addr, url, model = stack
+    messages = [{"role": "user", "content": "say something"}, {"role": "assistant", "content": "Well, the"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    status, tokenized = http_json(url, "/tokenize", {"model": model, "messages": messages, **options})
+    assert status == 200, tokenized
+    chat = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+    rendered = stub(addr).Tokenize(pb.TokenizeRequest(messages=chat, **options))
+    assert rendered.prompt.endswith("Well, the") and tokenized["tokens"] == list(rendered.token_ids)
+    expected, _ = grpc_text(addr, rendered.prompt, 8)
+    out = client(url).chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                              extra_body=options)
+    assert out.choices[0].message.content == expected
+    assert out.usage.prompt_tokens == len(rendered.token_ids)
+    # after the final message instead: the rendering without the assistant's opening
+    status, ended = http_json(url, "/tokenize", {"model": model, "messages": messages, "add_generation_prompt": False})
+    assert status == 200 and len(ended["tokens"]) > len(tokenized["tokens"])
+
+
 def test_token_ids_and_prompt_lists_are_choices(stack):
     addr, url, model = stack
     c = client(url)

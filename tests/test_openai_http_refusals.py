@@ -195,8 +195,9 @@ def test_bad_json_unknown_route_and_unknown_fields(stack):
     chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     for extra, param in (({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
+                         # continuing the final message needs add_generation_prompt false, as vLLM says
                          ({"continue_final_message": True}, "continue_final_message"),
-                         ({"add_generation_prompt": False}, "add_generation_prompt")):
+                         ({"add_generation_prompt": "no"}, "add_generation_prompt")):
         status, answer = http_json(url, "/v1/chat/completions", {**chat, **extra})
         assert status == 400 and answer["error"]["param"] == param, answer
     status, answer = http_json(url, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"})

@@ -32,6 +32,7 @@ from scheduler_svc.api.openai_protocol import (
     OpenAIError,
     ParsedRequest,
     bad,
+    chat_options,
     merge_logprobs,
     parse,
     parse_messages,
@@ -135,7 +136,7 @@ class OpenAIDoor:
             raise bad("give either prompt or messages, not both", "prompt")
         try:
             if "messages" in body:
-                _, ids = await encode_prompt(model, None, parse_messages(body["messages"]))
+                _, ids = await encode_prompt(model, None, parse_messages(body["messages"]), chat_options(body))
             elif isinstance(body.get("prompt"), str):
                 _, ids = await encode_prompt(model, body["prompt"], None)
             else:

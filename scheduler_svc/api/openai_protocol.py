@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pagewire_common.chat_template import ChatOptions
 from pagewire_common.requests import TextDelta
 from pagewire_common.sampling import DEFAULT_SAMPLING, MAX_TOP_LOGPROBS, SamplingParams, validate_stop
 
@@ -126,6 +127,16 @@ def parse_messages(value) -> list[dict]:
     return out
 
 
+def chat_options(body: dict) -> ChatOptions:
+    """vLLM's ``add_generation_prompt`` and ``continue_final_message`` (chat and tokenize)."""
+    default = ChatOptions()
+    try:
+        return ChatOptions(_get(body, "add_generation_prompt", bool, default.add_generation_prompt),
+                           _get(body, "continue_final_message", bool, default.continue_final_message))
+    except ValueError as e:
+        raise bad(str(e), "continue_final_message") from None
+
+
 def _prompts(value) -> list[dict]:
     """``prompt``: a string, a list of strings, a list of token ids, or a list of such lists."""
     if isinstance(value, str):
@@ -226,19 +237,14 @@ def parse(body, *, chat: bool) -> ParsedRequest:
     if chat:
         if "messages" not in body:
             raise bad("messages is required", "messages")
-        prompts = [{"messages": parse_messages(body["messages"])}]
+        prompts = [{"messages": parse_messages(body["messages"]), "chat_options": chat_options(body)}]
     else:
         if "prompt" not in body:
             raise bad("prompt is required", "prompt")
         prompts = _prompts(body["prompt"])
-    if _get(body, "continue_final_message", bool, False):
-        raise bad("continue_final_message is not supported", "continue_final_message")
     echo = _get(body, "echo", bool, False)
     if echo and chat:
         raise bad("echo is not supported on chat completions", "echo")
-    if not _get(body, "add_generation_prompt", bool, True):
-        raise bad("add_generation_prompt false is not supported: chats are rendered for the assistant's answer",
-                  "add_generation_prompt")
     if _get(body, "tools", list, None) and body.get("tool_choice") != "none":
         raise bad("tools are not supported: this server does not call tools (tool_choice \"none\" leaves them out)",
                   "tools")

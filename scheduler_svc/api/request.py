@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Protocol
 
 import grpc
 
+from pagewire_common.chat_template import ChatOptions
 from pagewire_common.eventloop import Outbox
 from pagewire_common.requests import TextDelta, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
@@ -208,26 +209,29 @@ class CheckedRequest:
 async def open_request(api: ApiServer, *, request_id: str = "", sampling: SamplingParams | None = None,
                        sampling_error: str | None = None, prompt: str | None = None,
                        prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
-                       model_name: str = "", fill_max_tokens: bool = False) -> ApiRequest:
+                       chat_options: ChatOptions = ChatOptions(), model_name: str = "",
+                       fill_max_tokens: bool = False) -> ApiRequest:
     """Validate, tokenize and submit one request (``check_request``, then ``submit_request``)."""
     checked = await check_request(api, request_id=request_id, sampling=sampling, sampling_error=sampling_error,
                                   prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-                                  model_name=model_name, fill_max_tokens=fill_max_tokens)
+                                  chat_options=chat_options, model_name=model_name, fill_max_tokens=fill_max_tokens)
     return submit_request(api, checked)
 
 
 async def check_request(api: ApiServer, *, request_id: str = "", sampling: SamplingParams | None = None,
                         sampling_error: str | None = None, prompt: str | None = None,
                         prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
-                        model_name: str = "", fill_max_tokens: bool = False) -> CheckedRequest:
+                        chat_options: ChatOptions = ChatOptions(), model_name: str = "",
+                        fill_max_tokens: bool = False) -> CheckedRequest:
     """Validate and tokenize one request; ``RequestError`` says why it was refused (each refusal
     is counted in the core's stats). A door that could not build the sampling parameters passes
     the reason as ``sampling_error``, so checks run in the same order for every door.
     ``fill_max_tokens``: generate up to the model length (``sampling.max_tokens`` is replaced by
-    what the prompt leaves). A request of several prompts checks them all before it submits one."""
+    what the prompt leaves). A request of several prompts checks them all before it submits one.
+    ``chat_options``: how ``messages`` are rendered."""
     try:
         return await _check(api, request_id, sampling, sampling_error, prompt, prompt_token_ids, messages,
-                            model_name, fill_max_tokens)
+                            chat_options, model_name, fill_max_tokens)
     except RequestError:
         api.reject()
         raise
@@ -264,7 +268,7 @@ def submit_request(api: ApiServer, checked: CheckedRequest) -> ApiRequest:
                            f"the request cannot be sent to the engine core: {e}") from None
 
 
-async def _check(api, request_id, sampling, sampling_error, prompt, ids, messages, model_name,
+async def _check(api, request_id, sampling, sampling_error, prompt, ids, messages, chat_options, model_name,
                  fill_max_tokens) -> CheckedRequest:
     if api.draining:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
@@ -279,7 +283,7 @@ async def _check(api, request_id, sampling, sampling_error, prompt, ids, message
         if sampling_error is not None:
             raise ValueError(sampling_error)
         if ids is None:
-            _, ids = await encode_prompt(model, prompt, messages)
+            _, ids = await encode_prompt(model, prompt, messages, chat_options)
             if not ids:
                 raise ValueError("prompt encodes to no tokens")
         if fill_max_tokens:
@@ -304,7 +308,8 @@ def served_model(api: ApiServer, model_name: str = ""):
     return model
 
 
-async def encode_prompt(model, prompt: str | None, messages: list[dict] | None) -> tuple[str | None, list[int]]:
+async def encode_prompt(model, prompt: str | None, messages: list[dict] | None,
+                        chat_options: ChatOptions = ChatOptions()) -> tuple[str | None, list[int]]:
     """A prompt's token ids, or chat messages' rendering and its ids, off the event loop when big
     (``OffloadedTokenizer``); ``ValueError`` for no tokenizer, no messages or a bad template. The
     one encoding of text for Generate, Chat, Tokenize and the HTTP door."""
@@ -313,5 +318,5 @@ async def encode_prompt(model, prompt: str | None, messages: list[dict] | None) 
     if messages is not None:
         if not messages:
             raise ValueError("messages is empty")
-        return await model.offloaded.encode_chat(messages)
+        return await model.offloaded.encode_chat(messages, chat_options)
     return None, await model.offloaded.encode(prompt)

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from kvcache.allocator import prefix_block_hashes
 from pagewire_common import wire
 from pagewire_common.addresses import add_port
+from pagewire_common.chat_template import ChatOptions
 from pagewire_common.kv_events import KVEventBatch
 from pagewire_common.requests import FinishReason, TextDelta
 from pagewire_common.settings import check_host_port, default_of
@@ -286,7 +287,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext):
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        async for resp in self._run(context, request.request_id, request.sampling, request.model, messages=messages):
+        try:
+            options = chat_options_from_pb(request)
+        except ValueError as e:
+            self.api.reject()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        async for resp in self._run(context, request.request_id, request.sampling, request.model, messages=messages,
+                                    chat_options=options):
             yield resp
 
     async def SubscribeKVEvents(self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext):
@@ -336,7 +343,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         try:
             prompt, ids = await tokenize(self.api, prompt=request.prompt or None, messages=messages or None,
-                                         model_name=request.model)
+                                         chat_options=chat_options_from_pb(request), model_name=request.model)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestError as e:
             await context.abort(e.code, e.message)
         return pb.TokenizeResponse(token_ids=ids, num_tokens=len(ids), prompt=prompt or "")
@@ -383,6 +392,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.message)
         finally:
             req.close()
+
+
+def chat_options_from_pb(request: pb.ChatRequest | pb.TokenizeRequest) -> ChatOptions:
+    """A Chat or Tokenize request's rendering options (``ValueError`` for both ends at once)."""
+    default = ChatOptions()
+    add = request.add_generation_prompt if request.HasField("add_generation_prompt") else default.add_generation_prompt
+    return ChatOptions(add, request.continue_final_message)
 
 
 def core_load(core: int, stats: pb.Stats) -> pb.CoreLoad:

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import grpc
 
+from pagewire_common.chat_template import ChatOptions
 from scheduler_svc.api.request import ApiServer, RequestError, encode_prompt, served_model
 
 NO_TOKENIZER = "this model has no tokenizer"
 
 
 async def tokenize(api: ApiServer, *, prompt: str | None = None, messages: list[dict] | None = None,
-                   model_name: str = "") -> tuple[str | None, list[int]]:
-    """The ids of ``prompt``, or the chat template's rendering of ``messages`` (with the generation
-    prompt, as Chat) and its ids; exactly one of the two. ``RequestError`` says why not."""
+                   chat_options: ChatOptions = ChatOptions(), model_name: str = "") -> tuple[str | None, list[int]]:
+    """The ids of ``prompt``, or the chat template's rendering of ``messages`` (as Chat renders
+    them with ``chat_options``) and its ids; exactly one of the two. ``RequestError`` says why not."""
     model = served_model(api, model_name)
     given = (prompt is not None) + (messages is not None)
     if given != 1:
@@ -33,7 +34,7 @@ async def tokenize(api: ApiServer, *, prompt: str | None = None, messages: list[
     if model.offloaded is None:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, NO_TOKENIZER)
     try:
-        return await encode_prompt(model, prompt, messages)
+        return await encode_prompt(model, prompt, messages, chat_options)
     except ValueError as e:  # no chat template, a bad message or template
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 

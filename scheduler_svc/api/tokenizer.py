@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from pagewire_common.chat_template import compile_chat_template
+from pagewire_common.chat_template import ChatOptions, compile_chat_template, cut_after_final_message
 from pagewire_common.wire import TOKENIZER_FILES
 from scheduler_svc.api.stop_strings import StopMatcher, StopStrings
 
@@ -84,9 +84,10 @@ class Tokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            template: str | None = None) -> str:
+                            template: str | None = None, continue_final_message: bool = False) -> str:
         """Render role/content messages with the model's chat template (or ``template``, a
-        template's text) into prompt text."""
+        template's text) into prompt text, ending as ``ChatOptions`` says."""
+        ChatOptions(add_generation_prompt, continue_final_message)  # checks the pair
         if template is None and not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         for m in messages:
@@ -100,12 +101,13 @@ class Tokenizer:
             if self._compiled_template is None:
                 self._compiled_template = compile_chat_template(self.chat_template)
             compiled = self._compiled_template
-        return compiled.render(
+        rendered = compiled.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+        return cut_after_final_message(rendered, messages) if continue_final_message else rendered
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -266,9 +268,14 @@ def _pool_encode(text: str) -> list[int]:
     return _pool_tokenizer.encode(text)
 
 
-def _pool_chat(messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-    prompt = _pool_tokenizer.apply_chat_template(messages)
-    return prompt, _pool_tokenizer.encode(prompt)
+def _encode_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], options: ChatOptions) -> tuple[str, list[int]]:
+    prompt = tokenizer.apply_chat_template(messages, options.add_generation_prompt,
+                                           continue_final_message=options.continue_final_message)
+    return prompt, tokenizer.encode(prompt)
+
+
+def _pool_chat(messages: list[dict[str, str]], options: ChatOptions) -> tuple[str, list[int]]:
+    return _encode_chat(_pool_tokenizer, messages, options)
 
 
 def _pool_decode(token_ids: list[int]) -> str:
@@ -306,14 +313,14 @@ class OffloadedTokenizer:
 
         return await asyncio.get_running_loop().run_in_executor(self._executor(), _pool_encode, text)
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    async def encode_chat(self, messages: list[dict[str, str]],
+                          options: ChatOptions = ChatOptions()) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids (``ValueError`` for a bad template or message)."""
         if sum(len(m.get("content") or "") for m in messages) <= self.inline_chars:
-            prompt = self.tokenizer.apply_chat_template(messages)
-            return prompt, self.tokenizer.encode(prompt)
+            return _encode_chat(self.tokenizer, messages, options)
         import asyncio
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor(), _pool_chat, messages)
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), _pool_chat, messages, options)
 
     async def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens skipped); ids that make about as much text as
