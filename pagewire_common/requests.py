@@ -12,6 +12,16 @@ import numpy as np
 
 from pagewire_common.sampling import SamplingParams
 
+# A request id is echoed in every response and quoted in errors, whose gRPC metadata must stay
+# under 16 KB: longer ids are refused.
+MAX_REQUEST_ID_CHARS = 1024
+
+
+def check_request_id(request_id: str) -> None:
+    """``ValueError`` for an id longer than ``MAX_REQUEST_ID_CHARS``."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed")
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string

@@ -141,6 +141,8 @@ def test_chat_uses_template(services, offline):
         (dict(prompt="hi", sampling=sampling(top_p=1.5)), "top_p"),
         (dict(prompt="hi", model="no-such-model"), "unknown model"),
         (dict(prompt="hi", sampling=pb.SamplingParams(prompt_logprobs=21)), "prompt_logprobs must be an integer in [0, 20]"),
+        # an id past gRPC's metadata limit once quoted in an error: refused, whatever the error would be
+        (dict(prompt="hi", request_id="r" * 20_000), "request_id has 20000 characters; at most 1024"),
     ],
 )
 def test_bad_requests_get_invalid_argument(services, offline, request_kwargs, fragment):
@@ -168,6 +170,10 @@ def test_model_info_and_stats(services, model_dir):
     after = s.GetStats(pb.StatsRequest())
     assert after.num_requests_rejected == stats.num_requests_rejected + 1
     assert after.num_requests_finished == stats.num_requests_finished
+    with pytest.raises(grpc.RpcError) as err:
+        s.Abort(pb.AbortRequest(request_id="r" * 1025))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1024" in err.value.details()
+    assert not s.Abort(pb.AbortRequest(request_id="r" * 1024)).found
 
 
 def test_cancel_20_of_40_streams(services, offline, model_dir):

@@ -22,7 +22,7 @@ import grpc
 
 from pagewire_common.chat_template import ChatOptions
 from pagewire_common.eventloop import Outbox
-from pagewire_common.requests import TextDelta, validate_prompt_tokens
+from pagewire_common.requests import TextDelta, check_request_id, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
 
 
@@ -280,6 +280,7 @@ async def _check(api, request_id, sampling, sampling_error, prompt, ids, message
                            "give a prompt or prompt_token_ids (both are empty)" if not given
                            else "give either prompt or prompt_token_ids, not both")
     try:
+        check_request_id(request_id)
         if sampling_error is not None:
             raise ValueError(sampling_error)
         if ids is None:

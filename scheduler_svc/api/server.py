@@ -25,7 +25,7 @@ from pagewire_common import wire
 from pagewire_common.addresses import add_port
 from pagewire_common.chat_template import ChatOptions
 from pagewire_common.kv_events import KVEventBatch
-from pagewire_common.requests import FinishReason, TextDelta
+from pagewire_common.requests import FinishReason, TextDelta, check_request_id
 from pagewire_common.settings import check_host_port, default_of
 from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import core_pb2, generation_pb2_grpc
@@ -333,6 +333,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # through the core: the request may stream from another API server on this port
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        try:
+            check_request_id(request.request_id)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             found = await self.api.abort_named(request.request_id)
         except NotReadyError as e:
