@@ -156,6 +156,26 @@ def test_bad_requests_get_invalid_argument(services, offline, request_kwargs, fr
     assert ids == offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
 
 
+def test_request_bytes_that_do_not_decode_are_invalid_argument(services, offline):
+    """A string field that is not UTF-8 (which a C++ client can send) or a cut message: grpc.aio
+    alone answers UNKNOWN with the decoder's exception."""
+    channel = grpc.insecure_channel(services)
+    bad_utf8 = pb.GenerateRequest(prompt="ab").SerializeToString().replace(b"ab", b"\xff\xfe")
+    cut = pb.GenerateRequest(prompt="hello there").SerializeToString()[:-3]
+    for method, data in (("Generate", bad_utf8), ("Chat", cut), ("Tokenize", bad_utf8), ("Abort", cut)):
+        call = (channel.unary_stream if method in ("Generate", "Chat") else channel.unary_unary)(
+            f"/pagewire.v1.Generation/{method}")
+        with pytest.raises(grpc.RpcError) as err:
+            result = call(data)
+            list(result) if method in ("Generate", "Chat") else None
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value.details())
+        assert "does not decode" in err.value.details()
+    channel.close()
+    ids, _, _ = collect(stub(services).Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                                                   sampling=sampling(max_tokens=3))))
+    assert ids == offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+
+
 def test_model_info_and_stats(services, model_dir):
     s = stub(services)
     info = s.GetModelInfo(pb.ModelInfoRequest())

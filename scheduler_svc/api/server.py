@@ -34,6 +34,7 @@ from scheduler_svc.api.auth import ApiKeyInterceptor
 from scheduler_svc.api.core_link import CoreLink
 from scheduler_svc.api.kv_events import KVEventHub
 from scheduler_svc.api.request import Failure, NotReadyError, RequestError, open_request
+from scheduler_svc.api.request_decoding import DecodeErrorInterceptor
 from scheduler_svc.api.router import NoCoreError, Router
 from scheduler_svc.api.tokenize import detokenize, tokenize
 from scheduler_svc.api.tokenizer import OffloadedTokenizer, Tokenizer
@@ -472,7 +473,7 @@ async def build_server(api: ApiServer, listen: str, reuse_port: bool, *, listene
                     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.so_reuseport", 1 if reuse_port or listeners > 1 else 0),
                 ],
-                interceptors=[ApiKeyInterceptor(api_key)] if api_key is not None else None,
+                interceptors=[*([ApiKeyInterceptor(api_key)] if api_key is not None else []), DecodeErrorInterceptor()],
             )
             generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
