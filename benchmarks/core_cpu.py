@@ -72,6 +72,12 @@ class InstantWorker:
         await asyncio.sleep(0)
         return self.results.pop(0)
 
+    def on_lost(self, callback) -> None:
+        pass  # never lost
+
+    def lost(self) -> None:
+        return None
+
     def close_stream(self) -> None:
         pass
 

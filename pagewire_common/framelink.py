@@ -275,6 +275,15 @@ class LinkSession:
         finally:
             self._conn.close()
 
+    @property
+    def ended(self) -> asyncio.Task:
+        """Done once the session's call ended: the server ended it or went away (``reason``)."""
+        return self._watch
+
+    @property
+    def reason(self) -> str:
+        return self._reason or "the session ended"
+
     def write(self, payload: bytes) -> None:
         try:
             self._conn.write(payload)

@@ -169,6 +169,23 @@ def test_killing_an_api_server_fails_only_its_calls_and_serve_replaces_it(served
     assert "exited with code -9; restarting it" in serve.output()
 
 
+def test_a_worker_killed_while_idle_is_replaced_before_the_next_request(served, offline):
+    """Nothing in flight, so the core reads nothing from the worker: the end of its session alone
+    tells the core, which reconnects to the restarted worker before a request comes, and the next
+    request is served, not failed."""
+    serve, addr = served
+    old_worker = worker_pid(serve)
+    connected = serve.output().count("connected to worker")
+    os.kill(old_worker, signal.SIGKILL)
+    wait_until(lambda: serve.output().count("connected to worker") > connected, timeout=60, interval=0.2)
+    assert worker_pid(serve) != old_worker
+    ids = [t for r in own_stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                                                 sampling=sampling(max_tokens=8)), timeout=30)
+           for t in r.token_ids]
+    assert ids == offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+    all_blocks_free(addr)
+
+
 def test_killing_the_worker_gives_unavailable_then_serve_serves_again(served, offline, model_dir):
     serve, addr = served
     old_worker = worker_pid(serve)

@@ -38,6 +38,9 @@ class InProcessLink:
         self._turns = turns
         self.turn_at_send: list[int] = []  # event-loop turns so far, as each plan arrives
         self.fail: str | None = None
+        self.num_opened = 0
+        self._lost: str | None = None
+        self._on_lost = None
 
     async def info(self, timeout: float = 5.0):
         return SimpleNamespace(
@@ -47,7 +50,19 @@ class InProcessLink:
         )
 
     async def open(self) -> None:
-        pass
+        self._lost = None
+        self.num_opened += 1
+
+    def on_lost(self, callback) -> None:
+        self._on_lost = callback
+
+    def lost(self) -> str | None:
+        return self._lost
+
+    def lose(self) -> None:
+        """The session ends (the worker went away) with nothing read from it."""
+        self._lost = "test: the worker went away while idle"
+        self._on_lost()
 
     async def send(self, plan) -> None:
         self.submitted_at_send.append(self._submitted())
@@ -450,6 +465,46 @@ def test_a_lost_worker_fails_every_request_with_unavailable():
     assert {rid: code for rid, (code, _) in rb.errors.items()} == {7: unavailable}
     assert "the worker went away" in rb.errors[7][1]
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_worker_lost_while_idle_is_found_at_once():
+    """No request in flight, so nothing is read from the worker: its session's end alone tells the
+    core, which goes unhealthy and reconnects before any request comes to fail on it."""
+    async def main():
+        health: list[bool] = []
+        links: list[InProcessLink] = []
+
+        def factory(address):
+            links.append(InProcessLink(address))
+            return links[-1]
+
+        service = CoreService("in-process", Settings(), on_health=health.append, link_factory=factory)
+        service.start()
+        await asyncio.wait_for(service.connected.wait(), 5)
+        client = service.open_client()
+        received = Received(service)
+        collector = asyncio.ensure_future(received.collect(client, 1))
+        service.apply(client, _requests(client, adds=[_add(0, [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))]))
+        await asyncio.wait_for(collector, 5)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        links[0].lose()
+        await asyncio.wait_for(wait_for(lambda: links[0].num_opened == 2), 5)
+        after = Received(service)
+        collector = asyncio.ensure_future(after.collect(client, 1))
+        service.apply(client, _requests(client, adds=[_add(1, [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))]))
+        await asyncio.wait_for(collector, 5)
+        await service.stop()
+        return health, received, after
+
+    health, received, after = asyncio.run(main())
+    assert health == [True, False, True]
+    assert received.errors == {} and after.errors == {} and after.tokens == {1: reference_tokens([1, 2], 3)}
+
+
+async def wait_for(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
 
 
 def test_the_core_runs_at_most_a_step_ahead_of_an_api_server_that_has_not_caught_up():

@@ -364,6 +364,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         try:
             info = await self._link.info(timeout=2.0)
             await self._link.open()
+            self._link.on_lost(self._wake.set)
         except WorkerLinkError as e:
             log.debug("worker not reachable: %s", e)
             self._last_connect_error = str(e)
@@ -410,8 +411,15 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             if engine.is_idle():
                 if self._kv_subscribers:
                     self._send_kv_events()  # those of plans whose steps are all delivered
-                self._wake.clear()
-                await self._wake.wait()
+                lost = self._link.lost()
+                if lost is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    lost = self._link.lost()
+                if lost is not None:
+                    # the session ended with nothing in flight (on_lost wakes us): health goes
+                    # NOT_SERVING and the core reconnects now, not when the next request fails on it
+                    raise WorkerLinkError(lost)
                 continue
             with step_profile.phase("wait for API servers"):
                 await self._wait_for_api_servers()

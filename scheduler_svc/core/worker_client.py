@@ -66,6 +66,17 @@ class WorkerLink:
         with step_profile.phase("result decode"):
             return wire.result_from_pb(worker_pb2.StepResult.FromString(data))
 
+    def on_lost(self, callback) -> None:
+        """Call ``callback()`` when the open session ends (the worker went away): the core, idle,
+        reads nothing that would tell it."""
+        if self._session is not None:
+            self._session.ended.add_done_callback(lambda _: callback())
+
+    def lost(self) -> str | None:
+        """Why the open session ended, or None while it runs."""
+        session = self._session
+        return f"worker {self.address}: {session.reason}" if session is not None and session.ended.done() else None
+
     def close_stream(self) -> None:
         if self._session is not None:
             self._session.close()
