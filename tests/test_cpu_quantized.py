@@ -282,6 +282,25 @@ def test_tiny_gguf_served_from_its_blocks_equals_its_fp32_dequantization(lib, ti
     assert quantized == greedy(model_dir, prompts, gguf_weights="dequantize")
 
 
+def test_a_gguf_cut_short_or_corrupt_is_one_clear_error(tiny_model_dir, tmp_path):
+    """A download cut short, or a header that is not GGUF's: a ValueError naming the file, which
+    the command line prints as one line, not the struct module's exception from deep inside."""
+    from worker_svc.gguf_weights import GGUFFile
+    from worker_svc.weights import convert_gguf
+
+    _, gguf_path = write_gguf_model(tiny_model_dir("llama-gqa"), tmp_path / "converted", tied=False, types=MIXED)
+    data = gguf_path.read_bytes()
+    assert GGUFFile(gguf_path).types
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ValueError, match=r"cut.gguf is truncated: tensor \S+ ends past the end of the file"):
+        convert_gguf(cut, tmp_path / "out")
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:20])
+    with pytest.raises(ValueError, match="header.gguf is not a readable GGUF file"):
+        GGUFFile(header_only)
+
+
 def test_a_llama_gguf_with_q_and_k_biases_gets_them_back_in_hugging_face_order(lib, tiny_model_dir, tmp_path):
     """llama.cpp permutes a llama GGUF's q and k bias elements as it permutes their rows."""
     source = tiny_model_dir("qwen2-bias")  # its head is its embedding

@@ -115,6 +115,17 @@ def test_resolve_model_path_dir_and_errors(tmp_path):
         resolve_model_path(other)
 
 
+def test_a_weights_file_cut_short_is_one_clear_error(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama-gqa"), model_dir)
+    weights_file = model_dir / "model.safetensors"
+    weights_file.write_bytes(weights_file.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="cannot read the weights file .*model.safetensors .truncated or corrupt"):
+        dict(iter_weights(model_dir))
+    with pytest.raises(ValueError, match="cannot read the weights file"):
+        load_model(model_dir, torch.float32, "cpu")
+
+
 def test_default_gguf_is_found_without_importing_the_package():
     import sys
 

@@ -69,6 +69,15 @@ class GGUFFile:
     _SCALARS: ClassVar[dict[int, str]] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
     def __init__(self, path: str | os.PathLike):
+        """``ValueError`` for a file that is not GGUF, or whose header or tensors are cut short."""
+        import struct
+
+        try:
+            self._read(path)
+        except (struct.error, IndexError, OverflowError, MemoryError) as e:
+            raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+
+    def _read(self, path: str | os.PathLike) -> None:
         import struct
 
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -132,6 +141,8 @@ class GGUFFile:
             except (ValueError, KeyError):
                 raise ValueError(f"GGUF tensor {name} has ggml type {kind}, unknown to the gguf package") from None
             nbytes = int(np.prod(shape)) // block * type_bytes
+            if start + offset + nbytes > len(data):
+                raise ValueError(f"{path} is truncated: tensor {name} ends past the end of the file")
             self.types[name], self.shapes[name] = kind, shape
             self._bytes[name] = data[start + offset : start + offset + nbytes]
 

@@ -274,7 +274,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> pa
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from worker_svc.gguf_weights import GGUFFile
+
     gguf_path = pathlib.Path(gguf_path)
+    GGUFFile(gguf_path)  # a file cut short or corrupt: one clear error, not the converter's
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = AutoModelForCausalLM.from_pretrained(
@@ -328,14 +331,25 @@ def _weight_files(model_dir: pathlib.Path) -> tuple[str, list[pathlib.Path]]:
     raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {model_dir}")
 
 
+@contextlib.contextmanager
+def _safetensors(file: pathlib.Path):
+    """``safe_open`` of one weights file; a file it cannot read (cut short, corrupt) is a
+    ``ValueError`` naming it, not the library's own exception."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            yield handle
+    except SafetensorError as e:
+        raise ValueError(f"cannot read the weights file {file} (truncated or corrupt?): {e}") from None
+
+
 def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, CPU tensor) for every weight in the directory, file by file."""
     kind, files = _weight_files(pathlib.Path(model_dir))
     if kind == "safetensors":
-        from safetensors import safe_open
-
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
+            with _safetensors(file) as handle:
                 for name in handle.keys():
                     yield name, handle.get_tensor(name)
     else:
@@ -350,10 +364,8 @@ def iter_weight_sources(model_dir: str | os.PathLike) -> Iterator[tuple[str, Wei
     reads the other ranks' shards."""
     kind, files = _weight_files(pathlib.Path(model_dir))
     if kind == "safetensors":
-        from safetensors import safe_open
-
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
+            with _safetensors(file) as handle:
                 for name in handle.keys():
                     yield name, SafetensorsSource(handle.get_slice(name))
     else:
