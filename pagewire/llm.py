@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import numbers
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,9 +108,14 @@ class LLM:
         gc.freeze()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one rank); the object is
-        unusable afterwards."""
+        """Stop the other tensor-parallel ranks and let go of the model and its KV cache;
+        ``generate`` and ``chat`` raise ``RuntimeError`` afterwards. Closing twice is harmless."""
         self._finalizer()
+        self.runner = self.engine = None
+
+    def _check_open(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("this LLM is closed")
 
     def __enter__(self) -> "LLM":
         return self
@@ -141,19 +147,23 @@ class LLM:
         prompts: str | Seq[int] | Seq[str | Seq[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (text, or a list of token ids); outputs in prompt order.
+        """Generate for every prompt; outputs in prompt order. A prompt is a text, token ids (a
+        list, or a numpy or torch vector), or vLLM's ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}``; ``prompts`` is one prompt or a sequence of them.
 
         All prompts are validated before any is queued: a bad one raises ``ValueError`` and
         the engine is left as it was."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt
-        prompts = list(prompts)
+        self._check_open()
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+            if params is None or not all(isinstance(p, SamplingParams) for p in params):
+                raise TypeError("sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                                f"{type(sampling_params).__name__}")
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
 
@@ -234,6 +244,7 @@ class LLM:
         file's path or the template itself, as ``--chat-template`` takes), then generated as
         ``generate`` does; one output per conversation, in order. ``add_generation_prompt`` and
         ``continue_final_message`` say how a rendered conversation ends (``ChatOptions``)."""
+        self._check_open()
         ChatOptions(add_generation_prompt, continue_final_message)  # checks the pair
         if not messages:
             raise ValueError("messages is empty: give a conversation or a list of them")
@@ -253,7 +264,19 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def _tokenize(self, prompt) -> list[int]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt and TokensPrompt
+            if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+                prompt = prompt["prompt"]
+            elif set(prompt) == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+            else:
+                raise ValueError("a prompt given as a dict holds one key, 'prompt' (a text) or 'prompt_token_ids' "
+                                 f"(token ids), got {sorted(prompt)}")
+        if hasattr(prompt, "tolist"):  # numpy, torch
+            prompt = prompt.tolist()
         if not isinstance(prompt, str):
+            if not isinstance(prompt, (list, tuple)) or not all(_is_token_id(t) for t in prompt):
+                raise ValueError(f"a prompt is a text or a list of token ids (integers), got {_describe(prompt)}")
             return [int(t) for t in prompt]
         if not prompt:
             raise ValueError("prompt is empty")
@@ -320,3 +343,29 @@ def _close_runner(runner) -> None:
     close = getattr(runner, "close", None)
     if close is not None:
         close()
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _describe(value) -> str:
+    if isinstance(value, (list, tuple)):
+        bad = next((v for v in value if not _is_token_id(v)), None)
+        return f"a {type(value).__name__} holding {bad!r}"
+    return type(value).__name__
+
+
+def _prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list of prompts: one prompt (a text, token ids, a dict) is a
+    list of one; any other sequence or iterable is a list of prompts."""
+    if hasattr(prompts, "tolist"):  # a numpy or torch vector of ids, or a matrix of them
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts must be a prompt or a sequence of prompts, got {type(prompts).__name__}")
+    prompts = list(prompts)  # a generator too
+    if prompts and _is_token_id(prompts[0]):
+        return [prompts]  # one prompt of token ids
+    return prompts

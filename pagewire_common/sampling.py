@@ -29,8 +29,8 @@ MAX_STOP_CHARS = 65536  # all of a request's stop strings together
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` means greedy decoding; ``top_k == 0`` and ``top_p == 1.0`` switch
-    those filters off. ``seed`` makes a sampled request reproducible: the same prompt,
+    ``temperature == 0`` means greedy decoding; ``top_k == 0`` (or -1, as vLLM spells it) and
+    ``top_p == 1.0`` switch those filters off. ``seed`` makes a sampled request reproducible: the same prompt,
     parameters and seed give the same tokens whatever else is in the batch. ``stop`` strings
     end generation and are cut from the returned text (kept at its end with
     ``include_stop_str_in_output``); ``stop_token_ids`` end it and are kept
@@ -87,6 +87,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's spelling of "off"
+            object.__setattr__(self, "top_k", 0)
         # Lists are accepted for convenience and frozen into tuples so the params stay hashable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -116,8 +118,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_UINT32:
             raise ValueError(f"top_k must be an integer in [0, {MAX_UINT32}] (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= _MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                hint = " (top_logprobs=k asks for the k most likely tokens as well)" if name == "logprobs" else ""
+                raise ValueError(f"{name} must be True or False{hint}, got {getattr(self, name)!r}")
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_UINT32:
             raise ValueError(f"max_tokens must be an integer in [1, {MAX_UINT32}], got {self.max_tokens!r}")
         validate_stop(self.stop)

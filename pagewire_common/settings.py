@@ -154,7 +154,10 @@ def _setting(default, help: str, *, scope: tuple[str, ...], check=None, type=Non
     """One setting. ``negate`` names the flag that turns a default-True bool off
     (``--no-prefix-cache``), and a default-False bool's bare flag turns it on (``--deterministic``);
     ``type`` parses the flag's text; ``env`` names the environment variable that gives the flag its
-    default; a ``secret`` is kept out of command lines and reprs."""
+    default; a ``secret`` is kept out of command lines and reprs. A bool setting takes only True or
+    False."""
+    if isinstance(default, bool) and check is None:
+        check = _boolean
     return field(default=default, repr=not secret, metadata=dict(
         help=help, scope=scope, check=check, type=type, flag=flag, negate=negate, metavar=metavar,
         choices=choices, env=env, secret=secret,
@@ -230,7 +233,7 @@ class Settings:
     deterministic: bool = _setting(
         False, "make a request's tokens independent of its batch and of prefix-cache hits on CPU: every attention "
         "chunk on the C kernel and every unrestricted row drawn the same way; costs up to ~10%% on long bf16 "
-        "prefills (4k tokens)", scope=(WORKER,), check=_boolean)
+        "prefills (4k tokens)", scope=(WORKER,))
     quantization: str = _setting(
         "none", "int8: keep the linears and the output head of a safetensors checkpoint as int8 blocks on CPU (one "
         "rank), 32 weights and one fp16 scale each, dequantized to fp32 in registers; a quarter of fp32's bytes "
@@ -240,8 +243,7 @@ class Settings:
         False, "multiply quantized weights (a GGUF's Q4_0, Q4_1 and Q8_0 blocks, --quantization int8) by activations "
         "rounded to int8 per block of 32 values, as llama.cpp does, in integer arithmetic on CPU: about twice the "
         "throughput of the fp32 multiply-adds on AVX2 CPUs at many rows, but the outputs are no longer the "
-        "dequantized model's (on AVX-512 BF16 CPUs the default bf16 arithmetic is faster)", scope=(WORKER,),
-        check=_boolean)
+        "dequantized model's (on AVX-512 BF16 CPUs the default bf16 arithmetic is faster)", scope=(WORKER,))
     gguf_weights: str = _setting(
         "auto", "how a .gguf model's weights are served on CPU with one rank: quantized: from the file's Q4_0, "
         "Q4_1 and Q8_0 blocks as they are (memory about the file's size), an error for other block types; "

@@ -95,3 +95,60 @@ def test_a_prompt_that_is_not_unicode_is_a_value_error(tiny_model_dir):
     finally:
         llm.close()
         gc.unfreeze()
+
+
+def test_prompts_in_the_shapes_vllm_users_pass_and_clear_errors_for_the_rest(tiny_model_dir):
+    """vLLM's prompt dicts and numpy or torch id vectors are prompts; a value that is none of the
+    shapes, or sampling params of the wrong type, is refused naming what it got; a closed LLM says so."""
+    import numpy as np
+    import pytest
+    import torch
+
+    from pagewire import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir("llama-gqa"), block_size=4, num_kv_blocks=50)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    try:
+        ids = [5, 6, 7]
+        expected = llm.generate([ids], params)[0].token_ids
+        text_expected = llm.generate("The sea", params)[0].token_ids
+        for one in ({"prompt_token_ids": ids}, np.array(ids), torch.tensor(ids), tuple(ids), [np.int64(t) for t in ids]):
+            assert llm.generate(one, params)[0].token_ids == expected, one
+        assert [o.token_ids for o in llm.generate([{"prompt": "The sea"}, np.array(ids)], params)] == \
+            [text_expected, expected]
+        assert [o.token_ids for o in llm.generate(iter(["The sea", ids]), params)] == [text_expected, expected]
+        assert [o.token_ids for o in llm.generate(np.array([ids, ids]), params)] == [expected, expected]
+        for bad, message in (([1.5], "prompt 0: a prompt is a text or a list of token ids .integers., got float"),
+                             (["ok", [1, "x"]], "prompt 1: .* got a list holding 'x'"),
+                             ({"text": "hi"}, r"one key, 'prompt' .* got \['text'\]"),
+                             ([{"prompt": 3}], r"got \['prompt'\]")):
+            with pytest.raises(ValueError, match=message):
+                llm.generate(bad, params)
+        with pytest.raises(TypeError, match="prompts must be a prompt or a sequence of prompts, got int"):
+            llm.generate(5, params)
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+            llm.generate("hi", {"temperature": 0})
+    finally:
+        llm.close()
+        gc.unfreeze()
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.generate("hi", params)
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        llm.chat([{"role": "user", "content": "hi"}], params)
+    llm.close()  # twice is harmless
+
+
+def test_settings_and_sampling_params_refuse_values_of_the_wrong_type():
+    import pytest
+
+    from pagewire import SamplingParams
+    from pagewire_common.settings import Settings
+
+    with pytest.raises(ValueError, match="must be True or False, got 'false'"):
+        Settings(enable_prefix_caching="false")
+    for kw, message in ((dict(seed=1.5), "seed must be an integer"), (dict(seed="1"), "seed must be an integer"),
+                        (dict(logprobs=5), "logprobs must be True or False .top_logprobs=k"),
+                        (dict(ignore_eos=1), "ignore_eos must be True or False")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kw)
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
