@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=64, help="most tokens to generate (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the smallest set of tokens whose probability adds up to this, in (0, 1] (default: off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (default: 0, off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (default: 0, off; -1 is "
+                   "off too, as vLLM spells it)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling: same seed, same output (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string, cut from the output (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagewire.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    for command in sub.choices.values():  # also after the command (`pagewire serve --log-level debug`)
+        command.add_argument("--log-level", default=argparse.SUPPRESS, type=_log_level, choices=LEVELS,
+                             help="debug, info, warning or error (default: info; env PAGEWIRE_LOG_LEVEL)")
     return parser
 
 

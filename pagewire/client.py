@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import ssl
 import sys
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from pagewire_common.sampling import DEFAULT_SAMPLING as _DEFAULT
+from pagewire_common.sampling import SamplingParams
 from pagewire_common.v1 import generation_pb2 as pb
 from pagewire_common.v1 import generation_pb2_grpc
 
@@ -76,8 +78,25 @@ def open_channel(addr: str, access: ServerAccess = ServerAccess(), options=None)
 
 
 def generate_command(args) -> int:
-    sampling = make_sampling(args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop,
+    if args.system is not None and not args.chat:
+        print("pagewire: error: --system goes with --chat (a plain prompt has no system message)", file=sys.stderr)
+        return 2
+    try:  # the values checked here as the server checks them, named, before anything is sent
+        checked = SamplingParams(temperature=args.temperature, top_p=_DEFAULT.top_p if args.top_p is None else args.top_p,
+                                 top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+    except ValueError as e:
+        print(f"pagewire: error: {e}", file=sys.stderr)
+        return 2
+    sampling = make_sampling(args.max_tokens, args.temperature, args.top_p, checked.top_k, args.seed, args.stop,
                              ignore_eos=args.ignore_eos)
+    try:
+        return _generate(args, sampling)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _generate(args, sampling: pb.SamplingParams) -> int:
     access = ServerAccess.from_args(args)
     metadata = access.metadata()
     with open_channel(args.addr, access) as channel:

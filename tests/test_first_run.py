@@ -144,6 +144,29 @@ def test_bad_addresses_and_layouts_fail_at_once_in_one_line(argv, message, model
     assert message.replace("{port}", port) in lines[0], lines
 
 
+def test_generate_checks_its_sampling_flags_before_it_connects(capsys):
+    """As the server would refuse them, named, with no server needed; -1 is vLLM's top-k off."""
+    from pagewire.cli import main
+
+    for argv, message in ((["--seed", "-1"], "seed must be an integer in [0, 2**64) or None, got -1"),
+                          (["--top-p", "0"], "top_p must be in (0, 1]"),
+                          (["--temperature", "-1"], "temperature must be >= 0"),
+                          (["--system", "be brief"], "--system goes with --chat")):
+        assert main(["generate", "x", "--addr", "127.0.0.1:1", *argv]) == 2
+        assert f"pagewire: error: {message}" in capsys.readouterr().err
+    assert main(["generate", "x", "--addr", "127.0.0.1:1", "--top-k", "-1", "--timeout", "5"]) == 1  # no server
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_log_level_goes_before_or_after_the_command():
+    from pagewire.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--log-level", "debug"]).log_level == "debug"
+    assert parser.parse_args(["--log-level", "error", "generate", "x"]).log_level == "error"
+    assert parser.parse_args(["--log-level", "error", "bench", "--log-level", "warn"]).log_level == "warning"
+
+
 def test_a_bad_log_level_in_the_environment_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "pagewire.cli", "generate", "x"], capture_output=True, text=True,
                          env=dict(os.environ, PAGEWIRE_LOG_LEVEL="verbose"), timeout=60)

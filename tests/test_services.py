@@ -156,6 +156,15 @@ def test_bad_requests_get_invalid_argument(services, offline, request_kwargs, fr
     assert ids == offline.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
 
 
+def test_generate_into_a_pipe_that_closes_stops_quietly(services):
+    import subprocess
+    import sys
+
+    out = subprocess.run(f"{sys.executable} -m pagewire.cli generate 'The river ' --addr {services} --max-tokens 200 "
+                         "--ignore-eos | head -c 5", shell=True, capture_output=True, text=True, timeout=60)
+    assert len(out.stdout) == 5 and "Broken pipe" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_request_bytes_that_do_not_decode_are_invalid_argument(services, offline):
     """A string field that is not UTF-8 (which a C++ client can send) or a cut message: grpc.aio
     alone answers UNKNOWN with the decoder's exception."""
