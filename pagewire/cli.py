@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_command(args)
     except KeyboardInterrupt:
+        print("pagewire: interrupted", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"pagewire: error: {e}", file=sys.stderr)

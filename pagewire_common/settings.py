@@ -503,7 +503,7 @@ def add_arguments(parser: argparse.ArgumentParser, scopes: tuple[str, ...], *, t
         if meta["metavar"]:
             kwargs["metavar"] = meta["metavar"]
         if unset_defaults:
-            kwargs["help"] = kwargs["help"].replace("%(default)s", repr(f.default))
+            kwargs["help"] = kwargs["help"].replace("%(default)s", str(f.default))
         group.add_argument(flag_of(f), **kwargs)
 
 

@@ -322,6 +322,29 @@ def test_bad_flag_combinations_are_explained(capsys, argv, message):
     assert message in err
 
 
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(capsys, tmp_path):
+    for path, message in (("/proc/no/x.json", "cannot write in /proc"), (str(tmp_path), "it is a folder")):
+        code, err = bench_main(capsys, "--addr", "127.0.0.1:1", "--json", path)
+        assert code == 2 and f"--json {path}: {message}" in err, err
+    code, err = bench_main(capsys, "--addr", "127.0.0.1:1", "--connect-timeout", "0.5",
+                           "--json", str(tmp_path / "new" / "out.json"))
+    assert "no server answers" in err  # a folder to make is fine: the run went on to connect
+
+
+def test_progress_into_a_log_is_lines(capsys, monkeypatch):
+    from pagewire.bench import session
+
+    clock = iter([0.0, 10.0, 31.0, 32.0, 70.0])
+    monkeypatch.setattr(session.time, "monotonic", lambda: next(clock))
+    with session.LineProgress("pagewire run 1/1", 8) as bar:
+        bar.update(2)  # t=10: quiet
+        bar.update(3)  # t=31: a line
+        bar.update(1)  # t=32: quiet
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["pagewire run 1/1: 8 requests", "pagewire run 1/1: 5/8 requests done, 31 s",
+                     "pagewire run 1/1: 6/8 requests done, 70 s"]
+
+
 def test_unreachable_server_is_explained(capsys):
     addr = f"127.0.0.1:{free_port()}"
     code, err = bench_main(capsys, "--addr", addr, "--connect-timeout", "0.5")

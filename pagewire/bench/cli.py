@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from pagewire.bench.sampling_mix import help_text as mix_help, parse_mixes
 from pagewire.bench.server import BenchError, passthrough_flags
@@ -269,6 +270,9 @@ def validate_args(args) -> None:
         raise BenchError(f"--client-processes ({args.client_processes}) is more than --concurrency ({args.concurrency})")
     if args.baseline_batch_size is None:
         args.baseline_batch_size = args.concurrency or 32
+    for flag, path in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+        if path is not None:
+            check_writable(flag, path)
     if args.plot is not None:
         from pagewire.bench.report import require_matplotlib
 
@@ -287,6 +291,24 @@ def validate_args(args) -> None:
         if server_only:
             print(f"pagewire bench: note: {', '.join(server_only)} only configure a server started with --serve; "
                   f"the server at {args.addr or DEFAULT_LISTEN} keeps its own settings", file=sys.stderr)
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Refuse an output file that cannot be written before the run, not after it (its folders are
+    made when missing)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder):
+        if os.path.exists(folder):
+            raise BenchError(f"{flag} {path}: {folder} is not a folder")
+        folder = os.path.dirname(folder)
+    if os.path.isdir(path):
+        raise BenchError(f"{flag} {path}: it is a folder")
+    try:  # a file made and removed: permissions alone say nothing to root, or of /proc
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".pagewire-bench-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise BenchError(f"{flag} {path}: cannot write in {folder}: {e.strerror}") from None
 
 
 def bench_command(args) -> int:

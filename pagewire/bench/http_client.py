@@ -112,12 +112,17 @@ class HttpClient:
                 async with session.get(self.base_url + "/health") as r:
                     if r.status == 200:
                         async with session.get(self.base_url + "/v1/models") as m:
+                            if m.status == 401:  # /health is open; waiting will not change this
+                                raise ServerUnreachable(f"the OpenAI door at {self.base_url} refused the bench: "
+                                                        "HTTP 401 (give its key with --api-key or PAGEWIRE_API_KEY)")
                             return (await m.json())["data"][0]["id"]
                     last = f"HTTP {r.status}"
             except aiohttp.ClientError as e:
                 last = str(e)
             await asyncio.sleep(0.2)
-        raise ServerUnreachable(f"the OpenAI door at {self.base_url} is not ready after {timeout:g}s ({last})")
+        raise ServerUnreachable(f"the OpenAI door at {self.base_url} is not ready after {timeout:g}s ({last}); a "
+                                "server the bench did not start serves it where its --http-listen says: give the "
+                                "bench the same --http-listen")
 
     async def run(self, requests: Sequence[pb.GenerateRequest], *, model: str, concurrency: int | None = None,
                   arrival_offsets: Sequence[float] | None = None, request_timeout: float | None = None,

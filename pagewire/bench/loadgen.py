@@ -195,6 +195,9 @@ class Client:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                     raise ServerUnreachable(f"the server at {self.addr} is not a pagewire server ({e.details()})") from None
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # waiting will not change it
+                    raise ServerUnreachable(f"the server at {self.addr} refused the bench: {e.details()} (give its "
+                                            "key with --api-key or PAGEWIRE_API_KEY)") from None
                 last_error = f"{e.code().name}: {e.details()}"
             if remaining <= 0:
                 raise ServerUnreachable(f"the server at {self.addr} is not ready after {timeout:g}s ({last_error})")

@@ -9,7 +9,8 @@ The JSON document (``--json``), schema version 1::
                     cpu_isa_capped_from (the CPU's own best where PAGEWIRE_CPU_ISA capped it, else null), pagewire, torch, transformers, grpcio, cuda, gpu (name or null)
     config          the workload (num_requests, concurrency | request_rate, seed, prompt_len [lo, hi] | prompt +
                     prompt_repeats, max_new_tokens, ignore_eos, temperature, warmup_runs, repeat_runs, ...),
-                    baselines, client_processes, worker, and engine: the engine options in force
+                    baselines, client_processes, worker, and engine: the options of the server the bench
+                    started (--serve; null for a server it did not start, which ``server`` describes)
     server          addr, started_by_bench, model_info (model_name, max_model_len, vocab_size, block_size,
                     num_kv_blocks, dtype, device, eos_token_ids)
     server_cpu      the served server's CPU (user + system, from /proc) during each measured run, by role: with --serve

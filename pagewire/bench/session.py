@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from pagewire_common import eventloop
@@ -23,6 +24,34 @@ from pagewire.cli_args import DEFAULT_LISTEN
 
 # warn when the busiest client process used more than this share of a core
 CLIENT_BUSY_WARNING = 0.8
+
+
+class LineProgress:
+    """A run's progress as lines for a log: at the start, every ``every_s`` seconds and at the end."""
+
+    def __init__(self, label: str, total: int, every_s: float = 30.0):
+        self.label, self.total, self.every_s = label, total, every_s
+        self.done = 0
+        self.start = time.monotonic()
+        self.next = self.start + every_s
+        print(f"{label}: {total} requests", file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + self.every_s
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        print(f"{self.label}: {self.done}/{self.total} requests done, {now - self.start:.0f} s", file=sys.stderr,
+              flush=True)
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._line(time.monotonic())
 
 
 class Bench:
@@ -56,6 +85,9 @@ class Bench:
         return f"{engine} warmup {index + 1}/{w}" if index < w else f"{engine} run {index - w + 1}/{self.args.repeat_runs}"
 
     def progress(self, label: str):
+        """A bar on a terminal; into a log file (stderr not a terminal), a line now and then."""
+        if not self.args.no_progress and not sys.stderr.isatty():
+            return LineProgress(label, self.args.num_requests)
         from tqdm import tqdm
 
         return tqdm(total=self.args.num_requests, desc=label, unit="req", file=sys.stderr, leave=False,
@@ -388,8 +420,13 @@ class Bench:
         out = {k: getattr(args, k) for k in keys}
         out["prompt_len"] = list(args.prompt_len) if args.prompt_len else None
         out["worker"] = args.worker or "model"
-        out["engine"] = {dest: self.option(dest) for _flag, dest in passthrough_flags() if dest != "worker"}
-        out["engine"]["model"] = str(self.model_dir) if self.model_dir else args.model
+        # the engine settings the bench started its server with; a server it did not start says what
+        # it serves in "server"
+        if args.serve:
+            out["engine"] = {dest: self.option(dest) for _flag, dest in passthrough_flags() if dest != "worker"}
+            out["engine"]["model"] = str(self.model_dir) if self.model_dir else args.model
+        else:
+            out["engine"] = None
         return out
 
     def server_dict(self, addr: str) -> dict:
