@@ -256,3 +256,23 @@ def test_bad_sampling_controls_are_400(stack, extra):
     assert status == 400, answer
     assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
     assert_all_blocks_free(addr)
+
+
+def test_bytes_that_are_not_http_log_one_warning_line():
+    """A gRPC client pointed at the HTTP port: aiohttp's error and parser traceback become one line."""
+    import logging
+    import sys
+
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    from scheduler_svc.api.http_server import _UnreadableRequests
+
+    try:
+        raise BadHttpMessage("Pause on PRI/Upgrade:\n  b'\\x00\\x00'")
+    except BadHttpMessage:
+        record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
+                                   ("127.0.0.1",), sys.exc_info())
+    assert _UnreadableRequests().filter(record)
+    assert record.levelname == "WARNING" and record.exc_info is None
+    assert logging.Formatter().format(record) == ("Error handling request from 127.0.0.1 (not HTTP/1: a gRPC or TLS "
+                                                  "client on the HTTP port?): 400 Pause on PRI/Upgrade:")

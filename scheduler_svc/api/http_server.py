@@ -439,12 +439,31 @@ class _Answer:
         return b"data: " + _dumps(body) + b"\n\n"
 
 
+class _UnreadableRequests(logging.Filter):
+    """aiohttp logs bytes that are not HTTP/1 (a gRPC client pointed at the HTTP port, a TLS hello
+    on a plaintext port) as an error with its parser's traceback; one warning line says it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.msg, record.args = "%s (not HTTP/1: a gRPC or TLS client on the HTTP port?): %s %s", (
+                record.getMessage(), error.code, error.message.splitlines()[0] if error.message else "")
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 async def start_http(api, listen: str, reuse_port: bool, *, api_key: str | None = None,
                      ssl_context=None) -> tuple[web.AppRunner, int]:
     """Serve the OpenAI door on ``listen`` (host:port); returns the runner and the bound port. With
     ``api_key`` every route but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise);
     with ``ssl_context`` the address speaks HTTPS only."""
     host, _, port = listen.rpartition(":")
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _UnreadableRequests) for f in server_log.filters):
+        server_log.addFilter(_UnreadableRequests())
     runner = web.AppRunner(OpenAIDoor(api, api_key).app(), access_log=None, handler_cancellation=True,
                            shutdown_timeout=1.0)
     await runner.setup()
