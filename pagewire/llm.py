@@ -14,7 +14,7 @@ from typing import Sequence as Seq
 from pagewire_common import step_profile
 from pagewire_common.chat_template import ChatOptions, load_chat_template
 from pagewire_common.core_messages import CoreOutputs
-from pagewire_common.requests import TextDelta, Usage
+from pagewire_common.requests import TextDelta, Usage, check_without_tokenizer
 from pagewire_common.sampling import SamplingParams, check_text
 from pagewire_common.settings import OFFLINE_SETTING_NAMES, SETTING_NAMES, Settings
 from scheduler_svc.api.text_stream import OutputProcessor
@@ -170,6 +170,8 @@ class LLM:
         token_lists = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
+                if self.tokenizer is None:
+                    check_without_tokenizer(sp)
                 token_lists.append(self.engine.validate(self._tokenize(prompt), sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None

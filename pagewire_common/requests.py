@@ -17,6 +17,14 @@ from pagewire_common.sampling import SamplingParams
 MAX_REQUEST_ID_CHARS = 1024
 
 
+def check_without_tokenizer(sampling: SamplingParams) -> None:
+    """``ValueError`` for what a model without a tokenizer cannot do: stop strings are found in
+    text, which it does not make."""
+    if sampling.stop:
+        raise ValueError("stop strings need the model's tokenizer, and this model has no tokenizer.json: "
+                         "use stop_token_ids")
+
+
 def check_request_id(request_id: str) -> None:
     """``ValueError`` for an id longer than ``MAX_REQUEST_ID_CHARS``."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:

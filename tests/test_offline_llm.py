@@ -152,3 +152,26 @@ def test_settings_and_sampling_params_refuse_values_of_the_wrong_type():
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kw)
     assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
+
+
+def test_a_model_without_a_tokenizer_takes_token_ids_and_refuses_stop_strings(tiny_model_dir, tmp_path):
+    import shutil
+
+    import pytest
+
+    from pagewire import LLM, SamplingParams
+
+    model_dir = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir("llama-gqa"), model_dir)
+    (model_dir / "tokenizer.json").unlink()
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=50)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3 and out.text == ""
+        with pytest.raises(ValueError, match="prompt 0: stop strings need the model's tokenizer"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, stop=["x"]))
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate("text", SamplingParams(max_tokens=3))
+    finally:
+        llm.close()
+        gc.unfreeze()

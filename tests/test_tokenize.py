@@ -141,6 +141,23 @@ def test_no_tokenizer_or_no_chat_template_is_invalid_argument(tokenizer):
     assert call(make_api(no_template), "Tokenize", pb.TokenizeRequest(prompt="hi")).token_ids  # a prompt still works
 
 
+def test_stop_strings_on_a_model_without_a_tokenizer_are_refused(tokenizer):
+    """They are found in text, which such a model does not make: refused, not silently ignored."""
+    from pagewire_common.sampling import SamplingParams
+    from scheduler_svc.api.request import RequestError, check_request
+
+    api = make_api(None)
+    api.model.info.max_num_seqs = 8
+    rejected = []
+    api.reject = lambda: rejected.append(1)
+    checked = asyncio.run(check_request(api, sampling=SamplingParams(stop_token_ids=[3]), prompt_token_ids=[1, 2]))
+    assert checked.prompt_token_ids == [1, 2]
+    with pytest.raises(RequestError) as err:
+        asyncio.run(check_request(api, sampling=SamplingParams(stop=["x"]), prompt_token_ids=[1, 2]))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "stop strings need the model's tokenizer" in err.value.message
+    assert rejected == [1]
+
+
 def test_worker_not_connected_is_unavailable(tokenizer):
     api = make_api(tokenizer, connected=False)
     assert status_of(api, "Tokenize", pb.TokenizeRequest(prompt="hi")) == (

@@ -22,7 +22,7 @@ import grpc
 
 from pagewire_common.chat_template import ChatOptions
 from pagewire_common.eventloop import Outbox
-from pagewire_common.requests import TextDelta, check_request_id, validate_prompt_tokens
+from pagewire_common.requests import TextDelta, check_request_id, check_without_tokenizer, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
 
 
@@ -283,6 +283,8 @@ async def _check(api, request_id, sampling, sampling_error, prompt, ids, message
         check_request_id(request_id)
         if sampling_error is not None:
             raise ValueError(sampling_error)
+        if model.tokenizer is None:
+            check_without_tokenizer(sampling)
         if ids is None:
             _, ids = await encode_prompt(model, prompt, messages, chat_options)
             if not ids:

@@ -147,6 +147,10 @@ class ApiServer:
             link.waiting_for_model = True
             return None
         tokenizer = Tokenizer.from_files(files, self.chat_template) if files is not None else None
+        if tokenizer is None and (old is None or old.tokenizer is not None):
+            log.warning("the model %r has no tokenizer.json: requests must send prompt_token_ids, and responses "
+                        "carry token ids without text (text prompts, chat and stop strings are refused)",
+                        info.model_name)
         if old is not None and old.offloaded is not None:
             old.offloaded.close()
         offloaded = None
