@@ -176,7 +176,7 @@ class Settings:
         scope=(WORKER,))
     served_model_name: str | None = _setting(
         None, "name reported by GetModelInfo and accepted in requests (default: the model's name)",
-        scope=(WORKER,))
+        scope=(WORKER,), check=_non_empty)
     dtype: str = _setting(
         "auto", "weights and KV cache dtype; auto: on CUDA the checkpoint's bfloat16 or float16 (a float32 "
         "checkpoint runs in bfloat16, float16 on GPUs without bf16), on CPU bfloat16 where the CPU computes it "

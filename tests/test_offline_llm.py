@@ -146,6 +146,8 @@ def test_settings_and_sampling_params_refuse_values_of_the_wrong_type():
 
     with pytest.raises(ValueError, match="must be True or False, got 'false'"):
         Settings(enable_prefix_caching="false")
+    with pytest.raises(ValueError, match="--served-model-name .* must not be empty"):
+        Settings(served_model_name=" ")
     for kw, message in ((dict(seed=1.5), "seed must be an integer"), (dict(seed="1"), "seed must be an integer"),
                         (dict(logprobs=5), "logprobs must be True or False .top_logprobs=k"),
                         (dict(ignore_eos=1), "ignore_eos must be True or False")):

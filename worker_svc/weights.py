@@ -407,6 +407,9 @@ def load_model(
             return model, config
     elif gguf_weights == "quantized" and gguf_source(model_dir) is not None:
         log.info("--gguf-weights quantized applies on CPU with one rank; dequantized here")
+    elif gguf_weights == "quantized":
+        log.warning("--gguf-weights quantized applies to .gguf models; %s is not one (--quantization int8 "
+                    "quantizes a safetensors checkpoint)", model_dir)
     model = build_model(config, dtype, device, tp)
     model.load_weights(iter_weight_sources(model_dir))
     if quantization == "int8":
