@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "them alive: a child that dies is "
                        "restarted (calls it was serving end UNAVAILABLE), and repeated crashes stop serve. "
                        "Ctrl-C or SIGTERM stops taking requests, lets running ones finish, and stops everything.")
+    p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (`pagewire serve ORG/NAME`, as vllm serve takes it)")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help="public address for clients (default: %(default)s)")
     add_arguments(p, (WORKER,), title="model and KV cache (worker)")
     add_arguments(p, (CORE,), title="batching (scheduler core)", skip=("max_model_len",))
@@ -135,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
+    positional = getattr(args, "model_positional", None)
+    if positional is not None:
+        if args.model is not None and args.model != positional:
+            parser.error(f"the model is given twice: {positional} and --model {args.model}")
+        args.model = positional
     if args.log_level not in LEVELS:  # argparse checks the choices of a flag given, not of its default
         parser.error(f"PAGEWIRE_LOG_LEVEL must be one of {', '.join(LEVELS)}, got {envs.log_level()!r}")
     setup_logging(args.log_level)

@@ -158,6 +158,15 @@ def test_generate_checks_its_sampling_flags_before_it_connects(capsys):
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
+def test_serve_takes_the_model_as_vllm_serve_does(capsys):
+    from pagewire.cli import build_parser, main
+
+    assert build_parser().parse_args(["serve", "org/name"]).model_positional == "org/name"
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "org/name", "--model", "other/name"])
+    assert exit_.value.code == 2 and "the model is given twice" in capsys.readouterr().err
+
+
 def test_log_level_goes_before_or_after_the_command():
     from pagewire.cli import build_parser
 
