@@ -40,7 +40,7 @@ examples:
 
   # what penalties and JSON schemas cost per step: the same workload three times, half the requests
   # with the feature in the 2nd and 3rd columns
-  pagewire bench --serve --num-requests 64 --concurrency 32 --max-new-tokens 64 --ignore-eos \
+  pagewire bench --serve --num-requests 64 --concurrency 32 --max-new-tokens 64 --ignore-eos \\
       --sampling-mix greedy,penalties,json_schema
 
   # shared prefixes: 8 prefixes of 512 tokens, each request one of them + 128 tokens of its own;

@@ -36,8 +36,8 @@ class LineProgress:
         self.next = self.start + every_s
         print(f"{label}: {total} requests", file=sys.stderr, flush=True)
 
-    def update(self, n: int = 1) -> None:
-        self.done += n
+    def update(self, count: int) -> None:
+        self.done += count
         now = time.monotonic()
         if now >= self.next:
             self.next = now + self.every_s
