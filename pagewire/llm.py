@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import numbers
+import operator
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,7 +160,8 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+            iterable = hasattr(sampling_params, "__iter__") and not isinstance(sampling_params, (str, bytes, dict))
+            params = list(sampling_params) if iterable else None
             if params is None or not all(isinstance(p, SamplingParams) for p in params):
                 raise TypeError("sampling_params must be a SamplingParams or a list of them (one per prompt), got "
                                 f"{type(sampling_params).__name__}")
@@ -277,9 +278,10 @@ class LLM:
         if hasattr(prompt, "tolist"):  # numpy, torch
             prompt = prompt.tolist()
         if not isinstance(prompt, str):
-            if not isinstance(prompt, (list, tuple)) or not all(_is_token_id(t) for t in prompt):
+            ids = _token_ids(prompt)
+            if ids is None:
                 raise ValueError(f"a prompt is a text or a list of token ids (integers), got {_describe(prompt)}")
-            return [int(t) for t in prompt]
+            return ids
         if not prompt:
             raise ValueError("prompt is empty")
         check_text("the prompt", prompt)
@@ -348,7 +350,23 @@ def _close_runner(runner) -> None:
 
 
 def _is_token_id(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An integer: Python's, numpy's, or a one-element integer tensor (``operator.index`` takes them)."""
+    if isinstance(value, (bool, str, bytes)):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _token_ids(prompt) -> list[int] | None:
+    """A prompt of token ids (a list, tuple, range or other iterable of integers) as a list; None
+    for anything else."""
+    if isinstance(prompt, (bytes, bytearray, dict)) or not hasattr(prompt, "__iter__"):
+        return None
+    values = list(prompt)
+    return [operator.index(t) for t in values] if all(_is_token_id(t) for t in values) else None
 
 
 def _describe(value) -> str:

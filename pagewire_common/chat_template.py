@@ -29,25 +29,31 @@ class ChatOptions:
                              "set add_generation_prompt to false to continue the final message")
 
 
-def cut_after_final_message(rendered: str, messages: list[dict[str, str]]) -> str:
-    """``rendered`` (a conversation rendered without the generation prompt) up to the end of its
-    final message's text: what the model continues under ``continue_final_message``. The text is
-    found as the template wrote it, its surrounding whitespace kept only where the template kept
-    it; ``ValueError`` when the template changed it beyond that, or it is empty."""
-    content = messages[-1]["content"]
-    core = content.strip()
-    if not core:
-        raise ValueError("continue_final_message needs a final message with text to continue")
-    start = rendered.rfind(core)
-    if start < 0:
+# Appended to the final message under continue_final_message, so the rendering is cut where the
+# message's text ends (a search for the text itself can match the end-of-turn marker after it, as
+# "<" does in "<|im_end|>"). A template may trim the space after it.
+CONTINUE_MARK = "PAGEWIRE_CONTINUE_FINAL_MESSAGE "
+
+
+def mark_final_message(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation to render under ``continue_final_message``: its final message ends with
+    ``CONTINUE_MARK``."""
+    *head, final = messages
+    return [*head, {**final, "content": final["content"] + CONTINUE_MARK}]
+
+
+def cut_at_mark(rendered: str, final_content: str) -> str:
+    """A conversation rendered from ``mark_final_message`` up to the end of its final message's
+    text: what the model continues. Whitespace after the text stays where the template kept the
+    mark's own; ``ValueError`` when the template changed the text or dropped the mark."""
+    mark = CONTINUE_MARK.strip()
+    at = rendered.rfind(mark)
+    if at < 0 or final_content.strip() not in rendered[:at]:
         raise ValueError("continue_final_message: the chat template changes the final message's text, "
                          "so it cannot be continued")
-    # leading whitespace is trimmed or not by the template before ``core``; trailing whitespace is
-    # kept when the template kept it
-    with_tail = content.lstrip()
-    if rendered.startswith(with_tail, start):
-        return rendered[: start + len(with_tail)]
-    return rendered[: start + len(core)]
+    if rendered.startswith(CONTINUE_MARK, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message's trailing whitespace
 
 
 def _raise_template_error(message: str):

@@ -87,7 +87,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if self.top_k == -1 and not isinstance(self.top_k, bool):  # vLLM's spelling of "off"
+        if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k == -1:  # vLLM's "off"
             object.__setattr__(self, "top_k", 0)
         # Lists are accepted for convenience and frozen into tuples so the params stay hashable.
         if isinstance(self.stop, str):

@@ -75,7 +75,8 @@ def test_it_replaces_the_models_own_inline_and_in_the_helper(model_dir):
         offloaded.close()
 
 
-@pytest.mark.parametrize("final", ["Once upon a", "  leading spaces", "trailing spaces  ", "\n both \n", "a\nb"])
+@pytest.mark.parametrize("final", ["Once upon a", "  leading spaces", "trailing spaces  ", "\n both \n", "a\nb",
+                                   "<", "|", "im_end", "", " "])
 def test_continue_final_message_renders_as_transformers_does(model_dir, final):
     """The conversation ends inside its final message, cut where transformers' own
     ``continue_final_message`` cuts it, whitespace included."""
@@ -86,7 +87,7 @@ def test_continue_final_message_renders_as_transformers_does(model_dir, final):
                                                     continue_final_message=True)
     theirs = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(messages, tokenize=False,
                                                                          continue_final_message=True)
-    assert ours == theirs and final.strip() in ours
+    assert ours == theirs and ours.rstrip().endswith(final.strip())
 
 
 def test_continue_final_message_refusals(model_dir):
@@ -94,8 +95,6 @@ def test_continue_final_message_refusals(model_dir):
     messages = [*MESSAGES, {"role": "assistant", "content": "Waves"}]
     with pytest.raises(ValueError, match="cannot both be true"):
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
-    with pytest.raises(ValueError, match="final message with text"):
-        tokenizer.apply_chat_template([*MESSAGES, {"role": "assistant", "content": " "}], False, None, True)
     shouting = "{% for m in messages %}{{ m['content'] | upper }}\n{% endfor %}"
     with pytest.raises(ValueError, match="changes the final message"):
         tokenizer.apply_chat_template(messages, False, shouting, True)

@@ -295,10 +295,10 @@ def test_a_gguf_cut_short_or_corrupt_is_one_clear_error(tiny_model_dir, tmp_path
     cut.write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(ValueError, match=r"cut.gguf is truncated: tensor \S+ ends past the end of the file"):
         convert_gguf(cut, tmp_path / "out")
-    header_only = tmp_path / "header.gguf"
-    header_only.write_bytes(data[:20])
-    with pytest.raises(ValueError, match="header.gguf is not a readable GGUF file"):
-        GGUFFile(header_only)
+    for name, content in (("header.gguf", data[:20]), ("empty.gguf", b""), ("cut-metadata.gguf", data[:200])):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=f"{name} is not a readable GGUF file"):
+            GGUFFile(tmp_path / name)
 
 
 def test_a_llama_gguf_with_q_and_k_biases_gets_them_back_in_hugging_face_order(lib, tiny_model_dir, tmp_path):

@@ -112,12 +112,15 @@ def test_prompts_in_the_shapes_vllm_users_pass_and_clear_errors_for_the_rest(tin
         ids = [5, 6, 7]
         expected = llm.generate([ids], params)[0].token_ids
         text_expected = llm.generate("The sea", params)[0].token_ids
-        for one in ({"prompt_token_ids": ids}, np.array(ids), torch.tensor(ids), tuple(ids), [np.int64(t) for t in ids]):
+        for one in ({"prompt_token_ids": ids}, np.array(ids), torch.tensor(ids), tuple(ids), [np.int64(t) for t in ids],
+                    range(5, 8), [torch.tensor(t) for t in ids]):
             assert llm.generate(one, params)[0].token_ids == expected, one
         assert [o.token_ids for o in llm.generate([{"prompt": "The sea"}, np.array(ids)], params)] == \
             [text_expected, expected]
         assert [o.token_ids for o in llm.generate(iter(["The sea", ids]), params)] == [text_expected, expected]
         assert [o.token_ids for o in llm.generate(np.array([ids, ids]), params)] == [expected, expected]
+        assert [o.token_ids for o in llm.generate([range(5, 8), ids], (p for p in [params, params]))] == \
+            [expected, expected]
         for bad, message in (([1.5], "prompt 0: a prompt is a text or a list of token ids .integers., got float"),
                              (["ok", [1, "x"]], "prompt 1: .* got a list holding 'x'"),
                              ({"text": "hi"}, r"one key, 'prompt' .* got \['text'\]"),
@@ -154,6 +157,8 @@ def test_settings_and_sampling_params_refuse_values_of_the_wrong_type():
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kw)
     assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off"
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        SamplingParams(top_k=-1.0)
 
 
 def test_a_model_without_a_tokenizer_takes_token_ids_and_refuses_stop_strings(tiny_model_dir, tmp_path):

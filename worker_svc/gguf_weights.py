@@ -72,10 +72,12 @@ class GGUFFile:
         """``ValueError`` for a file that is not GGUF, or whose header or tensors are cut short."""
         import struct
 
+        if os.path.getsize(path) < 24:
+            raise ValueError(f"{path} is not a readable GGUF file: {os.path.getsize(path)} bytes, shorter than a header")
         try:
             self._read(path)
-        except (struct.error, IndexError, OverflowError, MemoryError) as e:
-            raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from None
+        except (struct.error, IndexError, KeyError, OverflowError, MemoryError) as e:
+            raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e!r}") from None
 
     def _read(self, path: str | os.PathLike) -> None:
         import struct

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from pagewire_common.chat_template import ChatOptions, compile_chat_template, cut_after_final_message
+from pagewire_common.chat_template import ChatOptions, compile_chat_template, cut_at_mark, mark_final_message
 from pagewire_common.wire import TOKENIZER_FILES
 from scheduler_svc.api.stop_strings import StopMatcher, StopStrings
 
@@ -102,12 +102,12 @@ class Tokenizer:
                 self._compiled_template = compile_chat_template(self.chat_template)
             compiled = self._compiled_template
         rendered = compiled.render(
-            messages=messages,
+            messages=mark_final_message(messages) if continue_final_message else messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
-        return cut_after_final_message(rendered, messages) if continue_final_message else rendered
+        return cut_at_mark(rendered, messages[-1]["content"]) if continue_final_message else rendered
 
 
 def _bytes_to_unicode() -> dict[int, str]:
