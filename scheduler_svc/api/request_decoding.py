@@ -39,8 +39,12 @@ def _refusing(behavior):
         async def stream(request, context):
             if isinstance(request, Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            async for item in behavior(request, context):
-                yield item
+            responses = behavior(request, context)
+            try:
+                async for item in responses:
+                    yield item
+            finally:  # closed with this one (a cancelled call): its own cleanup runs now, not at collection
+                await responses.aclose()
 
         return stream
 
