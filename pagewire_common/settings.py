@@ -251,8 +251,9 @@ class Settings:
         "served so, else dequantized (default: %(default)s)", scope=(WORKER,), check=_one_of(GGUF_WEIGHTS),
         choices=GGUF_WEIGHTS)
     worker: str = _setting(
-        "model", "model: run the model (default); null: no model math, return fixed ordinary tokens using "
-        "--model's config and tokenizer only, to measure the control plane (scheduler, gRPC, streaming)",
+        "model", "model: run the model (default); null: no model math, return fixed ordinary tokens (logprob 0, "
+        "and -10000 for the others of a top list) using --model's config and tokenizer only, to measure the "
+        "control plane (scheduler, gRPC, streaming)",
         scope=(WORKER,), check=_one_of(WORKER_KINDS), choices=WORKER_KINDS)
 
     # ---- scheduler core: batching and admission ---------------------------------------------

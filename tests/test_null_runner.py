@@ -251,9 +251,19 @@ def test_serves_through_the_real_scheduler(model_dir, tmp_path):
         text = "".join(r.text for r in client.Generate(pb.GenerateRequest(
             prompt="The lighthouse keeper", sampling=sampling(max_tokens=6, ignore_eos=True))))
         assert text
+        # logprobs asked of the null worker: its tokens are certain; a top list is the token, then others
+        # (a request asking for them once crashed the core's delivery, failing every stream)
+        params = sampling(max_tokens=5, ignore_eos=True, logprobs=True)
+        params.top_logprobs = 3
+        responses = list(client.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=params)))
+        ids = [t for r in responses for t in r.token_ids]
+        assert [lp for r in responses for lp in r.logprobs] == [0.0] * 5
+        tops = [top for r in responses for top in r.top_logprobs]
+        assert [list(top.token_ids)[0] for top in tops] == ids and all(len(set(top.token_ids)) == 3 for top in tops)
+        assert all(list(top.logprobs) == [0.0, -1e4, -1e4] for top in tops)
         stats = wait_until(lambda: (s := client.GetStats(pb.StatsRequest())).num_running == 0 and s)
         assert stats.num_free_blocks == stats.num_total_blocks
-        assert stats.num_requests_finished == 17
+        assert stats.num_requests_finished == 18
     finally:
         if scheduler is not None:
             scheduler.stop()

@@ -193,6 +193,24 @@ def test_abort_frees_blocks_and_worker_drops_state():
     assert engine.num_aborted == 4
 
 
+def test_a_worker_that_gives_no_logprobs_leaves_nan_not_a_crash():
+    """The fake worker, like a worker without them, answers no logprobs: a sequence that asked gets
+    NaN and an empty top list per token (delivery reads one per token), not an IndexError that would
+    fail every request in flight."""
+    import math
+
+    engine, worker = make_engine(num_blocks=64, block_size=4, budget=64)
+    engine.add_request("a", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=3, logprobs=True,
+                                                                                 top_logprobs=2, ignore_eos=True))
+    outs = []
+    while not engine.engine.is_idle():
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == reference_tokens([1, 2, 3], 3)
+    assert all(math.isnan(lp) for o in outs for lp in o.logprobs) and len(outs) == 3
+    assert [o.top_logprobs for o in outs] == [[([], [])]] * 3
+    assert_all_free(engine)
+
+
 def test_max_num_seqs_caps_running():
     engine, worker = make_engine(num_blocks=256, block_size=4, budget=256, max_num_seqs=3)
     prompts = make_prompts(8, seed=2, lengths=[5] * 8)

@@ -21,6 +21,7 @@ import logging
 from pathlib import Path
 
 from pagewire_common.plan import StepPlan, StepResult
+from pagewire_common.sampling import MAX_TOP_LOGPROBS
 from worker_svc.block_table import BlockTables
 from worker_svc.config import ModelConfig
 from worker_svc.plan_state import SequenceStates
@@ -71,6 +72,9 @@ class NullRunner:
         else:
             self.num_kv_blocks = DEFAULT_NULL_KV_BLOCKS
         self.token_cycle = _token_cycle(self.model_dir, mc)
+        # distinct ids for the top-logprobs lists: the cycle's, then the vocabulary's first
+        pool = list(dict.fromkeys(self.token_cycle))
+        self.top_pool = pool + [t for t in range(min(mc.vocab_size, 4 * MAX_TOP_LOGPROBS)) if t not in pool]
         # structured output: the cycle's token where the grammar allows it, else an allowed one
         self.grammars = GrammarMasks.for_model(self.model_dir, mc.vocab_size, mc.eos_token_ids, "cpu")
         # the real runner's per-sequence state and plan checks; block tables in host memory only
@@ -126,6 +130,7 @@ class NullRunner:
         cycle_len = len(cycle)
         all_seq_ids = batch.seq_ids
         states = batch.states
+        params = []
         for i in batch.sampled:
             state = states[i]
             tokens = state.token_ids
@@ -136,7 +141,30 @@ class NullRunner:
             tokens.append(token)
             seq_ids.append(all_seq_ids[i])
             token_ids.append(token)
+            params.append(state.sampling)
+        _fill_logprobs(result, params, self.top_pool)
         return result
+
+
+# a top-logprobs entry below the emitted token's: the null runner's tokens are certain
+NULL_OTHER_LOGPROB = -1e4
+
+
+def _fill_logprobs(result: StepResult, params: list, pool: list[int]) -> None:
+    """Logprobs of the shape a model's step gives, when a row asks: its token is certain (0.0),
+    and a top list is that token first, then other ids of ``pool`` at ``NULL_OTHER_LOGPROB``."""
+    if any(p.logprobs for p in params):
+        result.logprobs = [0.0 if p.logprobs else float("nan") for p in params]
+    num_top = max((p.top_logprobs for p in params), default=0)
+    if num_top:
+        result.num_top_logprobs = num_top
+        top_ids: list[int] = []
+        for token in result.token_ids:
+            top_ids.append(token)
+            top_ids.extend([t for t in pool[:num_top] if t != token][: num_top - 1])
+        result.top_token_ids = top_ids
+        result.top_logprobs = [0.0 if k == 0 else NULL_OTHER_LOGPROB for _ in result.token_ids
+                               for k in range(num_top)]
 
 
 def _token_cycle(model_dir: Path, mc: ModelConfig) -> list[int]:

@@ -27,6 +27,8 @@ from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.running_batch import FAST_DECODE_MIN_ROWS, RunningBatch, StepTokens
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
 
+NAN = float("nan")
+
 # the smallest prompt share of a paced step: short prompts go through in one step
 PACING_MIN_TOKENS = 16
 
@@ -466,12 +468,14 @@ class Scheduler:
         token_id = result.token_ids[i]
         tokens = seq.token_ids
         tokens.append(token_id)
-        if result.logprobs is not None and seq.sampling.logprobs:
-            seq.logprobs.append(result.logprobs[i])
-        if result.num_top_logprobs and seq.sampling.top_logprobs:
+        sampling = seq.sampling
+        if sampling.logprobs:  # NaN where the worker gave none (delivery reads one per token)
+            seq.logprobs.append(result.logprobs[i] if result.logprobs is not None else NAN)
+        if sampling.top_logprobs:
             start = i * result.num_top_logprobs
-            end = start + seq.sampling.top_logprobs
-            seq.top_logprobs.append((result.top_token_ids[start:end], result.top_logprobs[start:end]))
+            end = start + min(sampling.top_logprobs, result.num_top_logprobs)
+            seq.top_logprobs.append((result.top_token_ids[start:end], result.top_logprobs[start:end])
+                                    if result.num_top_logprobs else ([], []))
         # the worker masks stop tokens before min_tokens; a stop there is an ordinary token
         if token_id in seq.stop_token_set and (len(tokens) > seq.min_num_tokens or token_id in seq.end_token_set):
             self.finish(seq, FinishReason.STOP)  # EOS (unless ignore_eos), a stop token id, a grammar's end
