@@ -276,3 +276,44 @@ def test_bytes_that_are_not_http_log_one_warning_line():
     assert record.levelname == "WARNING" and record.exc_info is None
     assert logging.Formatter().format(record) == ("Error handling request from 127.0.0.1 (not HTTP/1: a gRPC or TLS "
                                                   "client on the HTTP port?): 400 Pause on PRI/Upgrade:")
+
+
+def test_a_client_gone_between_two_writes_ends_the_stream_quietly(monkeypatch, caplog):
+    """Under load a client's disconnect can reach a write before aiohttp cancels the handler: the
+    write raises, and aiohttp would log an error with a traceback for each such stream."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from aiohttp import ClientConnectionResetError, web
+
+    from pagewire_common.requests import TextDelta
+    from scheduler_svc.api import http_server
+    from scheduler_svc.api.openai_protocol import parse
+
+    class Request:  # an ApiRequest's iteration: two deltas
+        def __aiter__(self):
+            return self._deltas()
+
+        async def _deltas(self):
+            yield [TextDelta("r", [5], "a")]
+            yield [TextDelta("r", [6], "b")]
+
+    writes = []
+
+    async def write(self, data):
+        writes.append(data)
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    async def prepare(self, request):
+        return None
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", prepare)
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    parsed = parse({"model": "m", "prompt": "x", "stream": True}, chat=False)
+    model = SimpleNamespace(info=SimpleNamespace(model_name="m"), tokenizer=None)
+    answer = http_server._Answer(parsed, [Request()], model)
+    with caplog.at_level(logging.DEBUG, logger="pagewire.http"):
+        resp = asyncio.run(answer.stream(object()))
+    assert isinstance(resp, web.StreamResponse) and len(writes) == 1
+    assert "client left the stream" in caplog.text

@@ -392,6 +392,15 @@ class _Answer:
         first = await anext(gen, None)  # a refusal before any token is an HTTP status, not a stream
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
+        try:
+            await self._stream_events(resp, gen, first, head, chat)
+        except ConnectionResetError:
+            # the client went away between two writes (its requests end in _generate); aiohttp
+            # would log an error with a traceback for every such stream
+            log.debug("client left the stream %s", self.id)
+        return resp
+
+    async def _stream_events(self, resp: web.StreamResponse, gen, first, head: dict, chat: bool) -> None:
         started: set[int] = set()
         try:
             pending = [first] if first is not None else []
@@ -430,7 +439,6 @@ class _Answer:
             await resp.write(b"data: " + _dumps(OpenAIError.from_grpc(e.code, e.message).body()) + b"\n\n")
         await resp.write(_DONE)
         await resp.write_eof()
-        return resp
 
     @staticmethod
     def _chunk(head: dict, choice: dict | None) -> bytes:
