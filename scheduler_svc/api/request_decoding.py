@@ -1,6 +1,5 @@
 """Requests whose bytes do not decode (a string field that is not UTF-8, a truncated message) end
-with INVALID_ARGUMENT saying so, where grpc.aio would answer UNKNOWN with the
-decoder's exception.
+with INVALID_ARGUMENT saying so, where grpc.aio would answer UNKNOWN with the decoder's exception.
 
 ``DecodeErrorInterceptor`` wraps each unary-request handler of the public service: its
 deserializer returns an ``Undecodable`` instead of raising, and the call then ends at once.
