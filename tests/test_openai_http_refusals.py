@@ -194,14 +194,18 @@ def test_bad_json_unknown_route_and_unknown_fields(stack):
     # known fields this server cannot honour are refused, not dropped
     chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    functions = [tool["function"] for tool in tools]
     for extra, param in (({"tools": tools}, "tools"), ({"tools": tools, "tool_choice": "auto"}, "tools"),
+                         ({"functions": functions}, "functions"), ({"modalities": ["text", "audio"]}, "modalities"),
                          # continuing the final message needs add_generation_prompt false, as vLLM says
                          ({"continue_final_message": True}, "continue_final_message"),
                          ({"add_generation_prompt": "no"}, "add_generation_prompt")):
         status, answer = http_json(url, "/v1/chat/completions", {**chat, **extra})
         assert status == 400 and answer["error"]["param"] == param, answer
-    status, answer = http_json(url, "/v1/chat/completions", {**chat, "tools": tools, "tool_choice": "none"})
-    assert status == 200, answer
+    for fine in ({"tools": tools, "tool_choice": "none"}, {"functions": functions, "function_call": "none"},
+                 {"modalities": ["text"]}):
+        status, answer = http_json(url, "/v1/chat/completions", {**chat, **fine})
+        assert status == 200, (fine, answer)
 
 
 def test_full_queue_is_429(stack):

@@ -248,6 +248,10 @@ def parse(body, *, chat: bool) -> ParsedRequest:
     if _get(body, "tools", list, None) and body.get("tool_choice") != "none":
         raise bad("tools are not supported: this server does not call tools (tool_choice \"none\" leaves them out)",
                   "tools")
+    if _get(body, "functions", list, None) and body.get("function_call") != "none":  # the older spelling of tools
+        raise bad("functions are not supported: this server does not call functions", "functions")
+    if any(m != "text" for m in _get(body, "modalities", list, None) or ()):
+        raise bad("only the text modality is supported", "modalities")
     n = _get(body, "n", int, DEFAULT_SAMPLING.n)
     if echo and n != 1:
         raise bad("echo with n other than 1 is not supported", "echo")
