@@ -6,6 +6,7 @@ import gc
 import itertools
 import logging
 import operator
+import sys
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,10 +147,14 @@ class LLM:
         self,
         prompts: str | Seq[int] | Seq[str | Seq[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt; outputs in prompt order. A prompt is a text, token ids (a
         list, or a numpy or torch vector), or vLLM's ``{"prompt": text}`` or
         ``{"prompt_token_ids": ids}``; ``prompts`` is one prompt or a sequence of them.
+        ``use_tqdm``: a progress bar of finished samples on stderr (None: where stderr is a
+        terminal and there are several samples).
 
         All prompts are validated before any is queued: a bad one raises ``ValueError`` and
         the engine is left as it was."""
@@ -199,6 +204,7 @@ class LLM:
                 collected[request_id + index] = _Merged()
         link = InProcessLink(self.runner)
         depth = 2 if self.settings.overlap else 1
+        bar = _progress(len(collected), use_tqdm)
         try:
             while not engine.is_idle():  # until every request ended and the worker dropped them
                 step = run_step(engine, link, depth)
@@ -216,6 +222,8 @@ class LLM:
                             client.request_ids.discard(request_id)
                         for request_id, delta in ready:
                             collected[request_id].add(delta)
+                            if bar is not None and delta.finish_reason is not None:
+                                bar.update(1)
                 steps.clear()
                 step_profile.end_step(num_tokens)
         except BaseException:
@@ -224,6 +232,9 @@ class LLM:
             engine.reset()
             self.runner.reset()
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         outputs = []
         for request_id, name, ids, sp in requests:
             samples = [collected[request_id + i].output(name, ids) for i in range(sp.n)]
@@ -240,13 +251,15 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = ChatOptions().add_generation_prompt,
         continue_final_message: bool = ChatOptions().continue_final_message,
+        use_tqdm: bool | None = None,
     ) -> list[GenerationOutput]:
         """Answer each conversation, as the served ``Chat`` and ``/v1/chat/completions`` do:
         ``messages`` is one conversation (a list of ``{"role": ..., "content": ...}``) or a list of
         them, each rendered with the model's chat template, or with ``chat_template`` (a Jinja
         file's path or the template itself, as ``--chat-template`` takes), then generated as
         ``generate`` does; one output per conversation, in order. ``add_generation_prompt`` and
-        ``continue_final_message`` say how a rendered conversation ends (``ChatOptions``)."""
+        ``continue_final_message`` say how a rendered conversation ends (``ChatOptions``);
+        ``use_tqdm`` as for ``generate``."""
         self._check_open()
         ChatOptions(add_generation_prompt, continue_final_message)  # checks the pair
         if not messages:
@@ -264,7 +277,7 @@ class LLM:
                                                                   template, continue_final_message))
             except ValueError as e:
                 raise ValueError(f"conversation {i}: {e}") from None
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _tokenize(self, prompt) -> list[int]:
         if isinstance(prompt, dict):  # vLLM's TextPrompt and TokensPrompt
@@ -347,6 +360,16 @@ def _close_runner(runner) -> None:
     close = getattr(runner, "close", None)
     if close is not None:
         close()
+
+
+def _progress(total: int, use_tqdm: bool | None):
+    """``generate``'s bar of finished samples, or None (``use_tqdm`` False, or None where stderr is
+    not a terminal or there is one sample)."""
+    if use_tqdm is False or (use_tqdm is None and (total < 2 or not sys.stderr.isatty())):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="sample", file=sys.stderr, dynamic_ncols=True)
 
 
 def _is_token_id(value) -> bool:

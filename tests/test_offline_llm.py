@@ -97,7 +97,7 @@ def test_a_prompt_that_is_not_unicode_is_a_value_error(tiny_model_dir):
         gc.unfreeze()
 
 
-def test_prompts_in_the_shapes_vllm_users_pass_and_clear_errors_for_the_rest(tiny_model_dir):
+def test_prompts_in_the_shapes_vllm_users_pass_and_clear_errors_for_the_rest(tiny_model_dir, capsys):
     """vLLM's prompt dicts and numpy or torch id vectors are prompts; a value that is none of the
     shapes, or sampling params of the wrong type, is refused naming what it got; a closed LLM says so."""
     import numpy as np
@@ -118,6 +118,11 @@ def test_prompts_in_the_shapes_vllm_users_pass_and_clear_errors_for_the_rest(tin
         assert [o.token_ids for o in llm.generate([{"prompt": "The sea"}, np.array(ids)], params)] == \
             [text_expected, expected]
         assert [o.token_ids for o in llm.generate(iter(["The sea", ids]), params)] == [text_expected, expected]
+        # a progress bar of finished samples when asked (on a terminal by default)
+        llm.generate([ids, ids], SamplingParams(temperature=0, max_tokens=3, n=2), use_tqdm=True)
+        assert "4/4" in capsys.readouterr().err
+        llm.generate([ids, ids], params)
+        assert capsys.readouterr().err == ""  # stderr is no terminal here
         assert [o.token_ids for o in llm.generate(np.array([ids, ids]), params)] == [expected, expected]
         assert [o.token_ids for o in llm.generate([range(5, 8), ids], (p for p in [params, params]))] == \
             [expected, expected]
