@@ -261,7 +261,6 @@ class LLM:
         ``continue_final_message`` say how a rendered conversation ends (``ChatOptions``);
         ``use_tqdm`` as for ``generate``."""
         self._check_open()
-        ChatOptions(add_generation_prompt, continue_final_message)  # checks the pair
         if not messages:
             raise ValueError("messages is empty: give a conversation or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)

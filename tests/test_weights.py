@@ -126,6 +126,12 @@ def test_a_weights_file_cut_short_is_one_clear_error(tiny_model_dir, tmp_path):
         load_model(model_dir, torch.float32, "cpu")
 
 
+def test_gguf_weights_quantized_on_a_model_that_is_no_gguf_says_so(tiny_model_dir, caplog):
+    with caplog.at_level("WARNING", logger="pagewire.worker"):
+        load_model(tiny_model_dir("llama-gqa"), torch.float32, "cpu", gguf_weights="quantized")
+    assert "--gguf-weights quantized applies to .gguf models" in caplog.text
+
+
 def test_default_gguf_is_found_without_importing_the_package():
     import sys
 

@@ -112,9 +112,6 @@ class HttpClient:
                 async with session.get(self.base_url + "/health") as r:
                     if r.status == 200:
                         async with session.get(self.base_url + "/v1/models") as m:
-                            if m.status == 401:  # /health is open; waiting will not change this
-                                raise ServerUnreachable(f"the OpenAI door at {self.base_url} refused the bench: "
-                                                        "HTTP 401 (give its key with --api-key or PAGEWIRE_API_KEY)")
                             return (await m.json())["data"][0]["id"]
                     last = f"HTTP {r.status}"
             except aiohttp.ClientError as e:
