@@ -5,7 +5,8 @@ FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEWIRE_CACHE_DIR=/cache HF_HOME=/cache/huggingface
 WORKDIR /app
 
-# a C compiler: the worker builds its CPU attention kernel at first start (worker_svc/cpu/attention.py)
+# a C compiler: the worker builds its CPU kernels (attention, linears, fused norms, quantized linears,
+# the decode pass; worker_svc/cpu/) at first start, cached under /cache
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 # torch first and pinned, as in the Makefile. The default index gives the CPU build; an empty
@@ -27,6 +28,7 @@ RUN pip install -e . \
  && python -m pagewire_common.protogen
 
 VOLUME ["/cache"]
-EXPOSE 50051 50052
+# 50051: gRPC; 8000: the OpenAI-compatible HTTP API and /metrics; 50052: the worker, as docker-compose.yml runs it
+EXPOSE 50051 50052 8000
 ENTRYPOINT ["pagewire"]
-CMD ["serve", "--listen", "0.0.0.0:50051"]
+CMD ["serve", "--listen", "0.0.0.0:50051", "--http-listen", "0.0.0.0:8000"]

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the smallest set of tokens whose probability adds up to this, in (0, 1] (default: off)")
     p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (default: 0, off; -1 is "
                    "off too, as vLLM spells it)")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling: same seed, same output (default: random)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling: same seed and server settings, same output (on a CPU server "
+                   "busy with other requests, only with its --deterministic) (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string, cut from the output (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--show-usage", action="store_true", help="print token counts to stderr at the end")

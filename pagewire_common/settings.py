@@ -270,7 +270,8 @@ class Settings:
         "(default: %(default)s)", scope=(CORE,),
         check=_at_least(0), type=int)
     overlap: bool = _setting(
-        True, "wait for each step's result before sending the next plan (default: one plan in flight ahead)",
+        True, "wait for each step's result before sending the next plan (default: overlap on, with --plans-in-flight "
+        "plans sent ahead of their results)",
         scope=(CORE,), negate="--no-overlap")
     plans_in_flight: int | None = _setting(
         None, "with overlap, the step plans the core keeps sent ahead of their results: 2 (plan N+1 is built while "
@@ -322,7 +323,8 @@ class Settings:
     # ---- observability: every process that runs steps ----------------------------------------
     profile_steps: int = _setting(
         0, "time the phases of each step in every process (worker: wait for plan, plan decode, apply plan, "
-        "prepare inputs, forward, sample, result send; core: wait for API servers, schedule, plan send, wait for "
+        "prepare inputs, forward, prompt logprobs, sample, result send, and with launch-ahead wait for plan or "
+        "tokens, wait for tokens; core: wait for API servers, schedule, plan send, wait for "
         "result, result decode, apply result, deliver, admission turns; API server: outputs decode, dispatch, "
         "hand on, handlers) and log one line 'step profile {json}' every N steps per process: its role, steps, "
         "tokens, wall and CPU time, and per phase the total µs, µs per step and µs per token. Host wall time: on "

@@ -3,6 +3,7 @@ here), so the file cannot drift from the code."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -237,3 +238,15 @@ def test_compose_commands_run_as_processes(tmp_path, smollm2_dir):
         if scheduler:
             scheduler.stop()
         worker.stop()
+
+
+def test_the_image_default_command_listens_on_all_interfaces_on_the_ports_it_exposes():
+    """`docker run -p 50051:50051 -p 8000:8000 IMAGE` reaches both doors: each address the default
+    command listens on is 0.0.0.0 (a container's loopback is not published) on an exposed port."""
+    lines = (REPO / "Dockerfile").read_text().splitlines()
+    (cmd,) = [json.loads(line[len("CMD "):]) for line in lines if line.startswith("CMD ")]
+    (expose,) = [line.split()[1:] for line in lines if line.startswith("EXPOSE ")]
+    addresses = [cmd[cmd.index(flag) + 1] for flag in ("--listen", "--http-listen")]
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        assert host == "0.0.0.0" and port in expose, (address, expose)

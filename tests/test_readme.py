@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 
 README = (REPO / "README.md").read_text()
 README_ADDR = "127.0.0.1:50051"
+README_HTTP = "http://127.0.0.1:8000"
 
 
 def code_blocks(language: str) -> list[str]:
@@ -47,13 +48,18 @@ def test_the_readme_keeps_its_first_two_commands_and_shows_examples():
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir, tmp_path_factory):
-    """The embedded model, served as `make serve` does (only the address differs)."""
-    addr = f"127.0.0.1:{free_port()}"
-    proc = Proc(["serve", "--listen", addr], tmp_path_factory.mktemp("readme") / "serve.log")
+def served_addrs(smollm2_dir, tmp_path_factory):
+    """The embedded model, served as `make serve` does (only the addresses differ): gRPC, HTTP."""
+    addr, http = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    proc = Proc(["serve", "--listen", addr, "--http-listen", http], tmp_path_factory.mktemp("readme") / "serve.log")
     proc.wait_for_output("pagewire ready: serving SmolLM2-135M-Instruct", timeout=300)
-    yield addr
+    yield addr, f"http://{http}"
     proc.stop(30)
+
+
+@pytest.fixture(scope="module")
+def served(served_addrs):
+    return served_addrs[0]
 
 
 @pytest.mark.parametrize("command, shown", console_examples())
@@ -84,3 +90,19 @@ def test_the_offline_example_runs(smollm2_dir):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip().endswith((" length 0", " stop 0")) and len(out.stdout.split()) > 3, out.stdout
+
+
+def test_the_openai_sdk_example_streams_what_the_grpc_chat_gives(served_addrs):
+    addr, http = served_addrs
+    code = python_example("from openai import OpenAI")
+    assert README_HTTP in code
+    out = subprocess.run([sys.executable, "-c", code.replace(README_HTTP, http)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # the same chat, greedy and as long, through the gRPC door
+    question = re.search(r'"content": "([^"]+)"', code).group(1)
+    max_tokens = re.search(r"max_tokens=(\d+)", code).group(1)
+    grpc_out = subprocess.run([sys.executable, "-m", "pagewire.cli", "generate", question, "--chat", "--max-tokens",
+                               max_tokens, "--addr", addr], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert grpc_out.returncode == 0, grpc_out.stderr
+    assert out.stdout.strip() and out.stdout.rstrip("\n") == grpc_out.stdout.rstrip("\n")
