@@ -158,10 +158,10 @@ class _Link:
     def abort(self, request_id: int) -> None:
         self.aborted.append(request_id)
 
-    def note_undelivered(self) -> None:
+    def note_undelivered(self, outbox) -> None:
         pass
 
-    def delivered(self) -> None:
+    def delivered(self, outbox) -> None:
         pass
 
 

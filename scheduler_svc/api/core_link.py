@@ -29,7 +29,7 @@ from pagewire_common.framelink import CHANNEL_OPTIONS, LinkClosed, LinkSession
 from pagewire_common.logs import WaitingNote
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
-from scheduler_svc.api.request import ApiRequest, Failure, NotReadyError
+from scheduler_svc.api.request import ApiRequest, Failure, NotReadyError, StreamOutbox
 from scheduler_svc.api.text_stream import OutputProcessor
 
 log = logging.getLogger("pagewire.api")
@@ -37,6 +37,11 @@ log = logging.getLogger("pagewire.api")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 # how often a link asks its core for its running and waiting requests (all API servers' requests)
 LOAD_POLL_S = 0.5
+# a stream that leaves its part of a core message untaken this long (its client reads slowly, so
+# its handler waits on a full socket) no longer holds up the acknowledgement, and so the core and
+# every other stream; well under the core's BACKPRESSURE_TIMEOUT_S, after which it would stop
+# waiting for this whole server
+LAGGING_STREAM_S = 0.25
 
 
 class _Pending:
@@ -83,7 +88,10 @@ class CoreLink:
         self._said_ready = False
         # core messages with tokens: dispatched to their streams, taken by every stream, told to the core
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
-        self._num_undelivered = 0  # streams with something put on their outbox and not yet taken
+        # streams with something put on their outbox and not yet taken -> the count of messages
+        # dispatched before it was put there
+        self._undelivered: dict[StreamOutbox, int] = {}
+        self._lag_check: asyncio.TimerHandle | None = None
         self._handed_on_ns = 0  # profiling: when the last message's deltas were handed on, until all are taken
         # the core's running + waiting requests at its last report, and how many of them were ours then
         self._reported_load = self._own_at_report = 0
@@ -277,9 +285,7 @@ class CoreLink:
                 msg.kv_events.core_index = self.index
                 self.server.core_kv_events(self.index, msg.kv_events)
             if msg.has_tokens:
-                self._num_outputs_dispatched += 1
-                if not self._num_undelivered:
-                    self.delivered()
+                self.handed_on()
                 step_profile.end_step(len(msg.request_ids))  # a step of the API server: a message with tokens
 
     async def _worker_state(self, msg: CoreOutputs) -> None:
@@ -321,16 +327,53 @@ class CoreLink:
             self.is_serving = serving
             self.server.link_changed(self)
 
-    def note_undelivered(self) -> None:
-        """A stream has something put on its outbox that its handler has not taken yet."""
-        self._num_undelivered += 1
+    def handed_on(self) -> None:
+        """A core message with tokens was dispatched to its streams: it is done once every one
+        took its part (``delivered``), or at once if none has anything waiting."""
+        self._num_outputs_dispatched += 1
+        if not self._undelivered:
+            self._all_delivered()
+        elif self._lag_check is None:
+            self._lag_check = asyncio.get_running_loop().call_later(
+                LAGGING_STREAM_S, self._let_laggards_go, self._num_outputs_dispatched)
 
-    def delivered(self) -> None:
+    @property
+    def num_outputs_done(self) -> int:
+        """Core messages with tokens that every stream took its part of (or was let go from)."""
+        return self._num_outputs_done
+
+    def note_undelivered(self, outbox: StreamOutbox) -> None:
+        """A stream has something put on its outbox that its handler has not taken yet."""
+        self._undelivered[outbox] = self._num_outputs_dispatched
+
+    def delivered(self, outbox: StreamOutbox) -> None:
         """A stream took what was put on it; once none has anything waiting, every core message
         dispatched so far is done (the core runs at the pace this server streams)."""
-        if self._num_undelivered > 0:
-            self._num_undelivered -= 1
-        if not self._num_undelivered and self._num_outputs_done != self._num_outputs_dispatched:
+        self._undelivered.pop(outbox, None)
+        if not self._undelivered:
+            self._all_delivered()
+
+    def _let_laggards_go(self, dispatched: int) -> None:
+        """``LAGGING_STREAM_S`` after the first ``dispatched`` core messages were handed on: the
+        streams that still hold a part of them stop holding up the acknowledgement."""
+        self._lag_check = None
+        laggards = [outbox for outbox, before in self._undelivered.items() if before < dispatched]
+        for outbox in laggards:
+            del self._undelivered[outbox]
+            outbox.lag()
+        if laggards:
+            log.debug("%d stream(s) read slowly; the others are not held up by them", len(laggards))
+        if not self._undelivered:
+            self._all_delivered()
+        elif self._num_outputs_done != self._num_outputs_dispatched:
+            self._lag_check = asyncio.get_running_loop().call_later(
+                LAGGING_STREAM_S, self._let_laggards_go, self._num_outputs_dispatched)
+
+    def _all_delivered(self) -> None:
+        if self._lag_check is not None:
+            self._lag_check.cancel()
+            self._lag_check = None
+        if self._num_outputs_done != self._num_outputs_dispatched:
             self._num_outputs_done = self._num_outputs_dispatched
             self._flush_wanted.set()
             profile = step_profile.active()
@@ -356,6 +399,9 @@ class CoreLink:
         self.output.streams.clear()
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         self._handed_on_ns = 0
+        if self._lag_check is not None:  # its counts are of the session that ended
+            self._lag_check.cancel()
+            self._lag_check = None
         failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
         for p in pending.values():
             p.outbox.put_nowait(failure)

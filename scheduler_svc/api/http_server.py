@@ -50,6 +50,8 @@ from scheduler_svc.api.request import (
 log = logging.getLogger("pagewire.http")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
+# events of one stream encoded between two turns of the event loop at most (a backlog of deltas)
+BACKLOG_CHUNKS = 64
 
 
 def _dumps(obj) -> bytes:
@@ -428,6 +430,12 @@ class _Answer:
                             choice["token_ids"] = out.token_ids
                         chunks.append(self._chunk(head, choice))
                         self._count(out)
+                        if len(chunks) >= BACKLOG_CHUNKS:
+                            # the deltas of a client that read slowly piled up: the other streams
+                            # get turns in between, not after all of them are encoded
+                            await resp.write(b"".join(chunks))
+                            chunks = []
+                            await asyncio.sleep(0)
                     await resp.write(b"".join(chunks))
                 nxt = await anext(gen, None)
                 if nxt is None:

@@ -50,9 +50,9 @@ class CoreLink(Protocol):
 
     def abort(self, request_id: int) -> None: ...
 
-    def note_undelivered(self) -> None: ...
+    def note_undelivered(self, outbox: "StreamOutbox") -> None: ...
 
-    def delivered(self) -> None: ...
+    def delivered(self, outbox: "StreamOutbox") -> None: ...
 
 
 @dataclass(slots=True)
@@ -70,22 +70,30 @@ class NotReadyError(RuntimeError):
 class StreamOutbox(Outbox):
     """A request's outbox that tells its API server when what was put on it has been taken by the
     request's handler (which then writes it to the client). The server acknowledges the core's
-    messages once every stream has taken its part: the core runs at the pace this server streams."""
+    messages once every stream has taken its part: the core runs at the pace this server streams.
 
-    __slots__ = ("_api", "_counted")
+    A stream whose client reads slowly (its handler waits on a full socket) must not set that pace
+    for everyone: one that leaves its part untaken for ``LAGGING_STREAM_S`` is let go (``lag``),
+    its parts pile up here while the others are acknowledged, and it counts again once its handler
+    has taken everything and waits for more."""
+
+    __slots__ = ("_api", "_counted", "_lagging")
 
     def __init__(self, api: CoreLink):
         super().__init__()
         self._api = api
         self._counted = False
+        self._lagging = False
 
     def put_nowait(self, item) -> None:
-        if not self._counted:
+        if not self._counted and not self._lagging:
             self._counted = True
-            self._api.note_undelivered()
+            self._api.note_undelivered(self)
         super().put_nowait(item)
 
     async def take(self) -> list:
+        if self._lagging and not self._items:
+            self._lagging = False  # caught up with the core: it sets the pace again
         items = await super().take()
         self.release()
         return items
@@ -94,7 +102,12 @@ class StreamOutbox(Outbox):
         """Nothing on it is waiting any more (taken, or its handler is gone)."""
         if self._counted:
             self._counted = False
-            self._api.delivered()
+            self._api.delivered(self)
+
+    def lag(self) -> None:
+        """Its part has waited too long: the server stops waiting for it (the caller forgets it)."""
+        self._counted = False
+        self._lagging = True
 
 
 class RequestError(Exception):
