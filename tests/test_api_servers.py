@@ -457,3 +457,38 @@ def test_requests_cut_off_at_shutdown_say_why(model_dir, tmp_path):
         assert serve.proc.wait(30) == 0
     finally:
         serve.stop(30)
+
+
+def test_http_health_is_503_while_the_server_drains(model_dir, tmp_path):
+    """After SIGTERM the API servers refuse new requests while the running ones finish: /health
+    says so (503, as gRPC health says NOT_SERVING), so a load balancer sends nothing more."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.openai_stack import http_json
+
+    addr, http = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    serve = Proc(["serve", "--model", str(model_dir), "--listen", addr, "--http-listen", http, "--api-servers", "1",
+                  "--max-num-seqs", "1", "--shutdown-timeout", "60", *ENGINE], tmp_path / "serve.log")
+    url = f"http://{http}"
+    try:
+        serve.wait_for_output("pagewire ready", timeout=120)
+        assert http_json(url, "/health")[0] == 200
+        channel = grpc.insecure_channel(addr)
+        stub_ = generation_pb2_grpc.GenerationStub(channel)
+
+        def one(i):
+            return len(list(stub_.Generate(pb.GenerateRequest(prompt_token_ids=[5 + i, 6, 7], sampling=sampling(
+                max_tokens=240, ignore_eos=True)), timeout=120)))
+
+        with ThreadPoolExecutor(8) as pool:  # one runs at a time: the drain lasts while the rest run
+            futures = [pool.submit(one, i) for i in range(8)]
+            wait_until(lambda: stub_.GetStats(pb.StatsRequest()).num_waiting >= 4, timeout=30, interval=0.01)
+            serve.signal(signal.SIGTERM)
+            status, answer = wait_until(lambda: (lambda got: got if got[0] != 200 else None)(http_json(url, "/health")),
+                                        timeout=10, interval=0.01)
+            assert status == 503 and answer["error"]["message"] == "the server is shutting down", answer
+            assert all(f.result(timeout=120) > 0 for f in futures)  # the requests it had still finished
+        channel.close()
+        assert serve.proc.wait(30) == 0
+    finally:
+        serve.stop(30)

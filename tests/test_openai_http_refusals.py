@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
+import urllib.request
 
 import grpc
 import openai
@@ -100,6 +102,16 @@ def test_bodies_that_are_not_plain_json_objects_are_400(stack):
     for path in ("/v1/completions", "/tokenize"):
         status, answer = http_json(url, path, deep)
         assert status == 400 and "nests too deeply" in answer["error"]["message"], answer
+        # an integer of more digits than Python converts (in a known field or not)
+        status, answer = http_json(url, path, b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}")
+        assert status == 400 and "an integer of more than 4,300 digits" in answer["error"]["message"], answer
+    # a body that says it is gzip and is not
+    req = urllib.request.Request(url + "/v1/completions", data=b"\x1f\x8bnot gzip", method="POST",
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=30)
+    answer = json.loads(refused.value.read())
+    assert refused.value.code == 400 and answer["error"]["message"].startswith("the request body could not be read")
     for path in ("/tokenize", "/detokenize"):
         for body in ([1, 2], None, "abc"):
             status, answer = http_json(url, path, json.dumps(body).encode())

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import re
+import sys
 import uuid
 
 from aiohttp import web
@@ -50,6 +51,7 @@ from scheduler_svc.api.request import (
 log = logging.getLogger("pagewire.http")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
+_CLOSE_AFTER = "pagewire.close_after"  # a request whose connection cannot be reused
 # events of one stream encoded between two turns of the event loop at most (a backlog of deltas)
 BACKLOG_CHUNKS = 64
 
@@ -85,7 +87,10 @@ class OpenAIDoor:
         try:
             return await handler(request)
         except OpenAIError as e:
-            return error_response(e)
+            response = error_response(e)
+            if request.get(_CLOSE_AFTER):
+                response.force_close()
+            return response
         except web.HTTPException as e:  # unknown route, wrong method: the OpenAI error shape too
             if e.status < 400:
                 raise
@@ -115,6 +120,8 @@ class OpenAIDoor:
             "root": info.model_name, "max_model_len": info.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.api.draining:  # a load balancer sends no more: every new request would be refused
+            raise OpenAIError(503, "the server is shutting down", "service_unavailable_error")
         if self.api.is_serving:
             return web.Response(status=200)
         self._model()  # raises the 503 that says which link is down
@@ -210,15 +217,26 @@ class OpenAIDoor:
 
 
 async def _json(request: web.Request):
-    """The request's body as JSON; 400 for a body that is not UTF-8 JSON, nests too deep for the
+    """The request's body as JSON; 400 for a body that does not decompress (its Content-Encoding),
+    is not UTF-8 JSON, holds an integer of more digits than Python converts, nests too deep for the
     parser, or holds a string that is not valid Unicode (a lone UTF-16 surrogate escape such as
     ``"\\ud83d"``, which no tokenizer or wire can carry)."""
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding: gzip body that is not gzip
+        # the rest of the body cannot be read either: the connection closes after the answer
+        # (aiohttp would read on to reuse it, and log the same error with a traceback)
+        request.content.feed_eof()
+        request[_CLOSE_AFTER] = True
+        cause = e.__cause__
+        raise bad(f"the request body could not be read: {getattr(cause, 'message', None) or cause or e}") from None
     try:
         text = raw.decode("utf-8")
         body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
+    except ValueError:  # Python's limit on the digits of an integer it converts
+        raise bad(f"the request body holds an integer of more than {sys.get_int_max_str_digits():,} digits") from None
     except RecursionError:
         raise bad("the request body is not valid JSON: it nests too deeply") from None
     if _SURROGATE_ESCAPE.search(text):  # only such an escape makes one: raw UTF-8 cannot
