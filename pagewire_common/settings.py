@@ -265,7 +265,8 @@ class Settings:
     enable_prefix_caching: bool = _setting(
         True, "turn the prefix cache off", scope=(CORE,), negate="--no-prefix-cache")
     max_queued_requests: int = _setting(
-        1024, "waiting requests beyond this get RESOURCE_EXHAUSTED; 0: no queue, a request is taken only when it "
+        1024, "requests waiting for room in the batch (beyond those that start at the next step) past this many "
+        "get RESOURCE_EXHAUSTED; 0: no queue, a request is taken only when it "
         "can start at once (its samples fit under --max-num-seqs beside those running and about to start) "
         "(default: %(default)s)", scope=(CORE,),
         check=_at_least(0), type=int)

@@ -346,6 +346,30 @@ def test_a_closed_api_server_stream_aborts_its_requests_and_frees_their_blocks()
     engine.allocator.check_integrity()
 
 
+def test_requests_arriving_together_at_an_idle_engine_queue_only_past_the_batch():
+    """max_num_seqs 2 and a queue of 1: of four requests in one message, two start at the next
+    step and are not queued, the third waits, the fourth finds the queue full."""
+    async def main():
+        service, _ = await _core(Settings(max_num_seqs=2, max_queued_requests=1, max_num_batched_tokens=64))
+        client = service.open_client()
+        ok = SamplingParams(max_tokens=4, ignore_eos=True)
+        received = Received(service)
+        collector = asyncio.ensure_future(received.collect(client, 4))
+        service.apply(client, _requests(client, adds=[_add(i, [1, 2, 3 + i], ok) for i in range(1, 5)]))
+        await asyncio.wait_for(collector, 30)
+        stats = service.stats()
+        engine = service.engine
+        await service.stop()
+        return received, stats, engine
+
+    received, stats, engine = asyncio.run(main())
+    assert {rid: code for rid, (code, _) in received.errors.items()} == {
+        4: grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+    assert sorted(received.finished) == [1, 2, 3]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    engine.allocator.check_integrity()
+
+
 def test_refusals_come_back_on_the_stream_with_their_status():
     async def main():
         service, _ = await _core(Settings(max_num_seqs=1, max_queued_requests=1, max_num_batched_tokens=64))

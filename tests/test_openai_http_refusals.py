@@ -145,7 +145,8 @@ def test_unknown_model_is_404_as_openai_answers(stack):
 
 def test_a_refused_prompt_of_several_runs_none_of_them(stack):
     """The second prompt is too long: the request is refused whole, and the first never ran (it
-    is not counted as an aborted request in the metrics)."""
+    is not counted as an aborted request in the metrics); nor are the prompts the core took of a
+    request it refused whole for a full queue."""
     addr, url, model = stack
 
     def aborted() -> float:
@@ -158,6 +159,19 @@ def test_a_refused_prompt_of_several_runs_none_of_them(stack):
     assert status == 400, answer
     assert aborted() == before
     assert_all_blocks_free(addr)
+
+    # more prompts than the batch (8) and the queue (4) hold: the core takes twelve and refuses
+    # the thirteenth, so the request is refused whole (429) and the twelve it took are aborted,
+    # not counted as finished requests
+    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": [f"p{i}" for i in range(20)],
+                                                        "max_tokens": 40, "ignore_eos": True})
+    assert status == 429, answer
+    assert aborted() == before
+    assert_all_blocks_free(addr)
+    # as many as fit are taken together, even by an idle engine
+    status, answer = http_json(url, "/v1/completions", {"model": model, "prompt": [f"p{i}" for i in range(12)],
+                                                        "max_tokens": 2})
+    assert status == 200 and len(answer["choices"]) == 12, answer
 
 
 def test_prompts_that_could_never_start_without_a_queue_are_400_not_429():

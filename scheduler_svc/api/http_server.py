@@ -212,8 +212,11 @@ class OpenAIDoor:
         except RequestError as e:
             raise OpenAIError.from_grpc(e.code, e.message) from None
         finally:
+            # aborts what did not finish (client gone, error); when the core refused one of the
+            # prompts the request is refused whole, and the others it took are not finished ones
+            refused = any(r.refused for r in reqs)
             for r in reqs:
-                r.close()  # aborts what did not finish (client gone, error)
+                r.close(finishes=not refused)
 
 
 async def _json(request: web.Request):

@@ -125,7 +125,8 @@ class ApiRequest:
     is aborted, its blocks freed within a step)."""
 
     __slots__ = ("api", "id", "request_id", "prompt_token_ids", "sampling", "outbox", "finished",
-                 "arrival", "first_token_at", "last_token_at", "num_output_tokens", "num_unfinished", "was_started")
+                 "arrival", "first_token_at", "last_token_at", "num_output_tokens", "num_unfinished", "was_started",
+                 "refused")
 
     def __init__(self, api: CoreLink, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
         self.api = api  # the core it runs on
@@ -139,6 +140,7 @@ class ApiRequest:
         self.num_output_tokens = 0
         self.num_unfinished = sampling.n  # samples still running (n > 1: each finishes on its own)
         self.was_started = False
+        self.refused = False  # the core refused it before it started (no room, a full queue, ...)
         self.id = api.submit(request_id, prompt_token_ids, sampling, self.outbox, self)  # the core's id
 
     async def __aiter__(self) -> AsyncIterator[list[TextDelta]]:
@@ -159,7 +161,7 @@ class ApiRequest:
                 elif self.was_started:  # failed after the core took it on (a lost worker or core)
                     self._end_unfinished("error")
                 else:  # refused before it started (no room, a full queue, a duplicate id): not a finished request
-                    self.finished = True
+                    self.finished = self.refused = True
                 raise RequestError(last.code, last.message)
             self._observe(items)
             self.num_unfinished -= sum(it.finished for it in items)
@@ -192,12 +194,19 @@ class ApiRequest:
                 if it.finished:
                     metrics.finished(it.finish_reason.value, now - self.arrival)
 
-    def close(self) -> None:
+    def close(self, finishes: bool = True) -> None:
+        """Let go of the request; one not finished (cancelled, deadline passed, the client went
+        away) is aborted, and counts as a finished request unless ``finishes`` is False: the
+        prompts of a request refused whole, whose other prompt the core refused."""
         self.outbox.release()
-        if not self.finished:  # cancelled, deadline passed, or the client went away
+        if not self.finished:
             for index in range(self.sampling.n):
                 self.api.abort(self.id + index)
-            self._end_unfinished("abort")
+            if finishes:
+                self._end_unfinished("abort")
+            else:
+                self.finished = True
+                self.num_unfinished = 0
 
     def _end_unfinished(self, reason: str) -> None:
         """The samples still running end for ``reason``; each counts in the metrics, as each sample

@@ -320,10 +320,13 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
     def _queue_refusal(engine: EngineCore, n: int) -> str | None:
         """Why a request of ``n`` samples finds no room (RESOURCE_EXHAUSTED), or None.
 
-        ``--max-queued-requests N`` lets N requests wait. With 0 there is no queue: a request is
-        taken only when it can start at the next step, that is when its samples fit in the batch
-        (``max_num_seqs``) beside the running sequences and those already waiting, which under 0
-        are the ones taken since the last step (or preempted: they start again first)."""
+        ``--max-queued-requests N`` lets N requests wait for room in the batch: the waiting ones
+        that fill the batch's free places (``max_num_seqs`` less the running sequences) start at
+        the next step and are not queued, so requests that arrive together at an idle engine are
+        not refused for one another. With 0 there is no queue: a request is taken only when it
+        can start at the next step, that is when its samples fit in the batch beside the running
+        sequences and those already waiting, which under 0 are the ones taken since the last
+        step (or preempted: they start again first)."""
         scheduler, config = engine.scheduler, engine.config
         limit = config.max_queued_requests
         if limit == 0:
@@ -331,7 +334,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
                 return (f"no room to start it now ({scheduler.num_running} running, {scheduler.num_waiting} about to "
                         f"start, max_num_seqs {config.max_num_seqs}) and no queue (max_queued_requests 0); retry later")
             return None
-        if scheduler.num_waiting >= limit:
+        if scheduler.num_waiting - max(0, config.max_num_seqs - scheduler.num_running) >= limit:
             return f"the queue is full ({limit} requests waiting); retry later"
         return None
 
