@@ -225,11 +225,22 @@ def test_bad_json_unknown_route_and_unknown_fields(stack):
                          ({"functions": functions}, "functions"), ({"modalities": ["text", "audio"]}, "modalities"),
                          # continuing the final message needs add_generation_prompt false, as vLLM says
                          ({"continue_final_message": True}, "continue_final_message"),
-                         ({"add_generation_prompt": "no"}, "add_generation_prompt")):
+                         ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                         # a call asked for with nothing to call (OpenAI's 400 too)
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+                         ({"function_call": {"name": "f"}}, "function_call"),
+                         # vLLM's fields that would change the output
+                         ({"allowed_token_ids": [13, 30]}, "allowed_token_ids"), ({"bad_words": [" x"]}, "bad_words"),
+                         ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+                         ({"use_beam_search": True}, "use_beam_search"), ({"length_penalty": 0.5}, "length_penalty"),
+                         ({"skip_special_tokens": False}, "skip_special_tokens")):
         status, answer = http_json(url, "/v1/chat/completions", {**chat, **extra})
         assert status == 400 and answer["error"]["param"] == param, answer
     for fine in ({"tools": tools, "tool_choice": "none"}, {"functions": functions, "function_call": "none"},
-                 {"modalities": ["text"]}):
+                 {"modalities": ["text"]}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"function_call": "auto"},
+                 {"use_beam_search": False, "skip_special_tokens": True, "allowed_token_ids": None, "bad_words": [],
+                  "length_penalty": 1.0, "truncate_prompt_tokens": None}):
         status, answer = http_json(url, "/v1/chat/completions", {**chat, **fine})
         assert status == 200, (fine, answer)
 

@@ -229,6 +229,13 @@ def _choice_grammar(choices, name: str) -> str:
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
+# vLLM request fields refused unless they hold a value that changes nothing
+_UNSUPPORTED_VLLM_FIELDS: dict[str, tuple] = {
+    "allowed_token_ids": (None, []), "bad_words": (None, []), "truncate_prompt_tokens": (None,),
+    "use_beam_search": (None, False), "skip_special_tokens": (None, True), "length_penalty": (None, 1, 1.0),
+}
+
+
 def parse(body, *, chat: bool) -> ParsedRequest:
     """An OpenAI completions or chat-completions body -> ``ParsedRequest`` (``OpenAIError`` 400)."""
     if not isinstance(body, dict):
@@ -252,6 +259,17 @@ def parse(body, *, chat: bool) -> ParsedRequest:
         raise bad("functions are not supported: this server does not call functions", "functions")
     if any(m != "text" for m in _get(body, "modalities", list, None) or ()):
         raise bad("only the text modality is supported", "modalities")
+    # a tool or function to call with none given is OpenAI's 400 too ("none" and "auto" ask nothing)
+    if body.get("tool_choice") not in (None, "none", "auto") and not body.get("tools"):
+        raise bad("tool_choice other than \"none\" or \"auto\" needs tools, which this server does not call",
+                  "tool_choice")
+    if body.get("function_call") not in (None, "none", "auto") and not body.get("functions"):
+        raise bad("function_call other than \"none\" or \"auto\" needs functions, which this server does not call",
+                  "function_call")
+    # vLLM's fields that would change the output, which this server does not implement
+    for name, inert in _UNSUPPORTED_VLLM_FIELDS.items():
+        if name in body and body[name] not in inert:
+            raise bad(f"{name} is not supported by this server", name)
     n = _get(body, "n", int, DEFAULT_SAMPLING.n)
     if echo and n != 1:
         raise bad("echo with n other than 1 is not supported", "echo")
