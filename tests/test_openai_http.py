@@ -132,6 +132,7 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_log_likelihood_clients_ask(st
     the prompt alone (lm-eval's log-likelihood requests: echo, logprobs, max_tokens 0)."""
     addr, url, model = stack
     ids = [300 + i for i in range(9)]
+    ids[4] = 1  # a special token: the echoed text names it, as its logprobs entry does
     params = sampling(max_tokens=1)
     params.prompt_logprobs = 1
     responses = list(stub(addr).Generate(pb.GenerateRequest(prompt_token_ids=ids, sampling=params)))

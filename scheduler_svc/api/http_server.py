@@ -313,8 +313,8 @@ class _Answer:
             self._echoed.add(index)
             ids = self.reqs[i].prompt_token_ids
             text = self.parsed.prompts[i].get("prompt")
-            if text is None:
-                text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+            if text is None:  # prompt ids: their text with special tokens, as the logprobs name them (vLLM too)
+                text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
             lps = tops = None
             if self.parsed.num_top_logprobs is not None:
                 computed = out.prompt_logprobs
