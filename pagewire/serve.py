@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 
 import grpc
@@ -37,15 +36,13 @@ from pagewire_common.settings import (
     Settings,
     check_host_port,
 )
-from pagewire_common.supervisor import Supervisor
+from pagewire_common.supervisor import Supervisor, cli_argv
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from scheduler_svc.core.main import api_server_argv
 
 log = logging.getLogger("pagewire.serve")
 
 
-def _cli(log_level: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, *args]
 
 
 def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
@@ -133,7 +130,7 @@ async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, 
     local_cores = []
     for i, worker in enumerate(workers):
         worker_addr, core_addr = f"unix:{run_dir}/worker{i}.sock", f"unix:{run_dir}/core{i}.sock"
-        supervisor.start(f"worker {i}", _cli(log_level, "worker", "--listen", worker_addr, *worker.to_argv((WORKER,))))
+        supervisor.start(f"worker {i}", cli_argv(log_level, "worker", "--listen", worker_addr, *worker.to_argv((WORKER,))))
         supervisor.start(f"engine core {i}", _core_argv(log_level, worker_addr, core_addr, settings))
         local_cores.append(core_addr)
     remote_cores = [a.strip() for a in settings.data_parallel_cores.split(",")] if settings.data_parallel_cores else []
@@ -175,14 +172,14 @@ def _supervision(run_dir: str, env: dict[str, str] | None = None) -> tuple[async
 
 
 def _core_argv(log_level: str, worker_addr: str, core_addr: str, settings: Settings) -> list[str]:
-    return _cli(log_level, "scheduler", "--worker", worker_addr, "--core-only", "--core-listen", core_addr,
+    return cli_argv(log_level, "scheduler", "--worker", worker_addr, "--core-only", "--core-listen", core_addr,
                 "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((CORE,)))
 
 
 async def _serve_core(settings: Settings, listen: str, log_level: str, run_dir: str) -> int:
     worker_addr = f"unix:{run_dir}/worker.sock"
     stop, failed, supervisor = _supervision(run_dir)
-    supervisor.start("worker", _cli(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
+    supervisor.start("worker", cli_argv(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
     supervisor.start("engine core", _core_argv(log_level, worker_addr, listen, settings))
     watcher = asyncio.get_running_loop().create_task(supervisor.watch())
     try:
@@ -203,8 +200,8 @@ async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) 
     worker_addr = f"unix:{run_dir}/worker.sock"
     core_addr = f"unix:{run_dir}/core.sock"
     stop, failed, supervisor = _supervision(run_dir, {**os.environ, **settings.to_env((PUBLIC,))})
-    supervisor.start("worker", _cli(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
-    supervisor.start("scheduler", _cli(log_level, "scheduler", "--worker", worker_addr, "--listen", listen,
+    supervisor.start("worker", cli_argv(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
+    supervisor.start("scheduler", cli_argv(log_level, "scheduler", "--worker", worker_addr, "--listen", listen,
                                        "--core-listen", core_addr, *settings.to_argv((CORE, API, PROCESS, PUBLIC))))
     watcher = asyncio.get_running_loop().create_task(supervisor.watch())
     try:

@@ -37,6 +37,17 @@ log = logging.getLogger("pagewire.supervisor")
 
 _PR_SET_PDEATHSIG = 1
 
+# the folder the project is imported from (holding pagewire_common/)
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli_argv(log_level: str, *args: str) -> list[str]:
+    """The command line of a child pagewire process: this interpreter running ``pagewire.cli``. Its
+    import path leaves out the current directory (``python -P``), where a user's file named like a
+    module (``queue.py``) would shadow the library's, unless the project is imported from there."""
+    safe = ["-P"] if os.path.abspath(os.getcwd()) != _PROJECT_ROOT else []
+    return [sys.executable, *safe, "-m", "pagewire.cli", "--log-level", log_level, *args]
+
 
 def die_with_parent(parent: int | None = None, *, unwind: bool = True) -> None:
     """In a child (started by a ``Supervisor``, or ``parent`` given): have the kernel send SIGTERM

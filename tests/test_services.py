@@ -308,6 +308,41 @@ def test_worker_death_gives_unavailable_then_recovers(model_dir, offline, tmp_pa
         worker.stop()
 
 
+def test_serve_started_in_a_folder_with_a_module_named_like_the_standard_library_s(model_dir, tmp_path):
+    """`pagewire serve` run where the user keeps a queue.py: its processes import Python's own
+    queue, not the user's (the children run without the current folder on their import path)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    script = shutil.which("pagewire", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.fail("the pagewire console script is not installed beside this interpreter (pip install -e .)")
+    here = tmp_path / "work"
+    here.mkdir()
+    (here / "queue.py").write_text("raise RuntimeError('the user\\'s queue.py was imported')\n")
+    addr = f"127.0.0.1:{free_port()}"
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([script, "serve", "--model", str(model_dir), "--listen", addr, "--http-listen", "off",
+                             "--num-kv-blocks", "100"], cwd=here, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_until(lambda: "pagewire ready" in (tmp_path / "serve.log").read_text() or proc.poll() is not None,
+                   timeout=90)
+        out = (tmp_path / "serve.log").read_text()
+        assert "pagewire ready" in out and "queue.py was imported" not in out, out
+        ids, text, _ = collect(stub(addr).Generate(pb.GenerateRequest(prompt="The river ", sampling=sampling(max_tokens=4))))
+        assert ids and text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
 def test_serve_answers_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
     port = free_port()
     serve = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--num-kv-blocks", "100"], tmp_path / "serve.log")

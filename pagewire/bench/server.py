@@ -19,6 +19,7 @@ import time
 
 from pagewire_common import envs
 from pagewire_common.settings import API, CORE, PROCESS, WORKER, Settings, flag_of
+from pagewire_common.supervisor import cli_argv
 
 class BenchError(Exception):
     """A problem the user can fix (bad flags, no server, server failed to start)."""
@@ -72,8 +73,7 @@ def serve_argv(args, listen: str) -> list[str]:
     # the server logs at info at least: its readiness line is an info record, and its log is kept
     # aside (--server-log, or shown only when it fails) whatever the bench's own --log-level
     log_level = "debug" if args.log_level == "debug" else "info"
-    return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "serve", "--listen", listen,
-            *Settings(**given).to_argv(_BENCH_SCOPES)]
+    return cli_argv(log_level, "serve", "--listen", listen, *Settings(**given).to_argv(_BENCH_SCOPES))
 
 
 class ServedServer:

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 
 import grpc
@@ -25,7 +24,7 @@ from pagewire_common import step_profile
 from pagewire_common.addresses import add_port, check_address_free, check_distinct, http_url
 from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
 from pagewire_common.settings import API, PUBLIC, Settings
-from pagewire_common.supervisor import Supervisor, parent_run_dir
+from pagewire_common.supervisor import Supervisor, cli_argv, parent_run_dir
 from pagewire_common.tls import TlsFiles
 from pagewire_common.v1 import core_pb2_grpc
 from scheduler_svc.core.service import CoreService
@@ -38,9 +37,9 @@ def api_server_argv(core_address: str, listen: str, settings: Settings, log_leve
                     primary_cores: int | None = None) -> list[str]:
     """The command line of an API server (the API key travels in its environment: ``to_env``)."""
     primary = ["--primary-cores", str(primary_cores)] if primary_cores is not None else []
-    return [sys.executable, "-m", "pagewire.cli", "--log-level", log_level, "api-server",
-            "--scheduler", core_address, "--listen", listen, "--reuse-port", "--http-listen", settings.http_listen,
-            "--shutdown-timeout", str(settings.shutdown_timeout), *primary, *settings.to_argv((API, PUBLIC))]
+    return cli_argv(log_level, "api-server", "--scheduler", core_address, "--listen", listen, "--reuse-port",
+                    "--http-listen", settings.http_listen, "--shutdown-timeout", str(settings.shutdown_timeout),
+                    *primary, *settings.to_argv((API, PUBLIC)))
 
 
 async def run_scheduler(worker_address: str, listen: str | None, settings: Settings, *, core_listen: str | None = None,

@@ -28,6 +28,7 @@ from pathlib import Path
 from pagewire_common import wire
 from pagewire_common.plan import StepPlan, StepResult
 from pagewire_common.settings import WORKER, Settings
+from pagewire_common.supervisor import cli_argv
 from pagewire_common.envs import PARENT_PID_ENV
 from worker_svc.parallel.group import GroupFailed, TensorParallel
 from worker_svc.parallel.handoff import Kind, PlanChannel
@@ -96,9 +97,8 @@ class LocalRanks:
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, n):
-            argv = [sys.executable, "-m", "pagewire.cli", "--log-level", level, "worker", "--rank", str(rank),
-                    "--world-size", str(n), "--distributed-init", f"{store_host}:{store_port}",
-                    *child.to_argv((WORKER,))]
+            argv = cli_argv(level, "worker", "--rank", str(rank), "--world-size", str(n),
+                            "--distributed-init", f"{store_host}:{store_port}", *child.to_argv((WORKER,)))
             # a session of their own: a terminal's Ctrl-C reaches them through rank 0's STOP only
             self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
 
