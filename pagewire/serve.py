@@ -152,11 +152,12 @@ async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, 
         await stop.wait()
     finally:
         watcher.cancel()
-        # the API servers first (they drain while the cores and workers still compute), then the cores, then the workers
+        # the API servers first, all at once (they drain while the cores and workers still compute,
+        # and none takes new requests meanwhile), then the cores, then the workers
         api_servers = [name for name in supervisor.children if name.startswith("API server")]
         await supervisor.stop(timeout=settings.shutdown_timeout + 10,
-                              names=[*api_servers, *(f"engine core {i}" for i in range(len(workers))),
-                                     *(f"worker {i}" for i in range(len(workers)))])
+                              order=[api_servers, [f"engine core {i}" for i in range(len(workers))],
+                                     [f"worker {i}" for i in range(len(workers))]])
     return supervisor.exit_code if failed else 0
 
 
@@ -192,7 +193,7 @@ async def _serve_core(settings: Settings, listen: str, log_level: str, run_dir: 
         await stop.wait()
     finally:
         watcher.cancel()
-        await supervisor.stop(timeout=settings.shutdown_timeout + 10, names=["engine core", "worker"])
+        await supervisor.stop(timeout=settings.shutdown_timeout + 10, order=[["engine core"], ["worker"]])
     return supervisor.exit_code if failed else 0
 
 
@@ -215,7 +216,7 @@ async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) 
     finally:
         watcher.cancel()
         # the scheduler first (its API servers drain while the worker still computes), then the worker
-        await supervisor.stop(timeout=settings.shutdown_timeout + 10, names=["scheduler", "worker"])
+        await supervisor.stop(timeout=settings.shutdown_timeout + 10, order=[["scheduler"], ["worker"]])
     return supervisor.exit_code if failed else 0
 
 

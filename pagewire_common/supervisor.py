@@ -190,11 +190,12 @@ class Supervisor:
         log.error("%s; stopping", message)
         self.on_give_up(message)
 
-    async def stop(self, timeout: float = 10.0, names: list[str] | None = None) -> None:
-        """SIGTERM the children (``names``, in that order, each awaited; else all at once) and
-        SIGKILL what is left after ``timeout`` seconds."""
+    async def stop(self, timeout: float = 10.0, order: list[list[str]] | None = None) -> None:
+        """SIGTERM the children: the groups of ``order`` one after the other, each group's children
+        at once and awaited together (else all children at once); SIGKILL what is left of a group
+        after ``timeout`` seconds."""
         self.stopping = True
-        groups = [[n] for n in names] if names else [list(self.children)]
+        groups = order or [list(self.children)]
         for group in groups:
             procs = [c.proc for n in group if (c := self.children.get(n)) and c.proc is not None]
             for proc in procs:

@@ -18,6 +18,7 @@ from pagewire.cli import build_parser
 from pagewire_common.settings import Settings
 from pagewire_common.v1 import core_pb2_grpc
 from pagewire_common.v1 import generation_pb2 as pb
+from pagewire_common.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.api.server import split_core_addresses
 from tests.service_utils import Proc, descendants, free_port, sampling, stub, wait_until
 from tests.tiny_models import sample_prompts
@@ -247,6 +248,51 @@ def test_serve_with_two_cores_routes_and_reports_per_core(model_dir, offline, tm
     finally:
         assert proc.stop(timeout=30) == 0
     assert "Traceback" not in proc.output()
+
+
+@pytest.mark.slow
+def test_sigterm_to_serve_with_two_cores_drains_every_api_server_at_once(model_dir, tmp_path):
+    """SIGTERM to `serve --data-parallel-size 2 --api-servers 3`: every API server refuses new
+    requests from then on (none keeps taking them while another drains)."""
+    import time
+
+    from tests.service_utils import own_channel
+
+    listen = f"127.0.0.1:{free_port()}"
+    proc = Proc(["serve", "--model", str(model_dir), "--listen", listen, "--data-parallel-size", "2",
+                 "--api-servers", "3", "--max-num-seqs", "1", "--shutdown-timeout", "2", *ENGINE],
+                tmp_path / "serve.log")
+    try:
+        proc.wait_for_output("pagewire ready", timeout=90)
+        prompts = [[20 + i, 30 + i, 40 + i] for i in range(12)]
+        # each on a connection of its own, so that every API server has some to drain; one runs
+        # per core and the rest wait, longer than the shutdown timeout
+        stubs = [pb_grpc.GenerationStub(own_channel(listen)) for _ in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(long_request, st, p) for st, p in zip(stubs, prompts)]
+            wait_until(lambda: stub(listen).GetStats(pb.StatsRequest()).num_waiting >= 8, timeout=30, interval=0.01)
+            proc.signal(signal.SIGTERM)
+            # all three stop taking requests together (one after another, each would drain first)
+            wait_until(lambda: proc.output().count("new requests are refused") == 3, timeout=1.5, interval=0.01)
+            late = []
+            while proc.proc.poll() is None and len(late) < 100:
+                channel = own_channel(listen)
+                try:
+                    list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+                        prompt_token_ids=[60, 61], sampling=sampling(max_tokens=2)), timeout=2))
+                    late.append("ok")
+                except grpc.RpcError as e:
+                    late.append(e.code())
+                channel.close()
+                time.sleep(0.05)
+            results = [f.result(timeout=60) for f in futures]
+        assert late and "ok" not in late, late
+        # the running ones finished, or were cut at the timeout saying so
+        assert all(r == ("ok", 240, pb.LENGTH) or r == (grpc.StatusCode.UNAVAILABLE, "the server is shutting down: the "
+                        "request did not finish within --shutdown-timeout (2 s)") for r in results), results
+        assert proc.proc.wait(60) == 0
+    finally:
+        proc.stop(timeout=30)
 
 
 @pytest.mark.slow

@@ -86,6 +86,8 @@ async def run_api_server(core_address: str, listen: str, settings: Settings, *, 
                      http_url(settings.http_listen, settings.tls_cert_file is not None), os.getpid(), core_address)
     await stop.wait()
     api.draining = True
+    api_log.info("api-server (pid %d) shutting down: new requests are refused, running ones finish (within %g s)",
+                 os.getpid(), settings.shutdown_timeout)
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + settings.shutdown_timeout
     while api.num_pending and time.monotonic() < deadline and api.core_connected:
