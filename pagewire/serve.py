@@ -25,7 +25,7 @@ import tempfile
 import grpc
 
 from pagewire_common import eventloop
-from pagewire_common.addresses import check_address_free, check_distinct, http_url
+from pagewire_common.addresses import check_address_free, check_api_servers, check_distinct, http_url
 from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
 from pagewire_common.settings import (
     API,
@@ -38,6 +38,7 @@ from pagewire_common.settings import (
 )
 from pagewire_common.supervisor import Supervisor, cli_argv
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
+from scheduler_svc.api.server import split_core_addresses
 from scheduler_svc.core.main import api_server_argv
 
 log = logging.getLogger("pagewire.serve")
@@ -51,6 +52,13 @@ def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
     # one clear line, before anything starts
     _check_rank(settings)
     check_distinct(listen, settings.http_listen)
+    check_api_servers(listen, settings.api_servers)
+    if settings.data_parallel_cores is not None:
+        for address in split_core_addresses(settings.data_parallel_cores):
+            if address in (listen, settings.http_listen):
+                raise ValueError(f"--data-parallel-cores names {address}, this server's own "
+                                 f"{'--listen' if address == listen else '--http-listen'}: give the addresses that "
+                                 "`pagewire core --listen` takes on the other machines")
     listen = check_address_free(listen)
     if settings.http_listen != "off":
         settings = settings.replace(http_listen=check_address_free(settings.http_listen))

@@ -100,6 +100,15 @@ def http_url(http_listen: str, tls: bool = False) -> str:
     return "" if http_listen == "off" else f", OpenAI HTTP on {'https' if tls else 'http'}://{http_listen}"
 
 
+def check_api_servers(listen: str, api_servers: int) -> None:
+    """``ValueError`` for several API servers on a unix socket: they share a TCP port with
+    SO_REUSEPORT, which spreads the clients over them; on a socket path the last one bound would
+    take every client and the others none."""
+    if api_servers > 1 and listen.startswith("unix:"):
+        raise ValueError(f"--listen {listen}: several API servers (--api-servers {api_servers}) share a host:port, not "
+                         "a unix socket; give --api-servers 1 or a host:port")
+
+
 def check_distinct(listen: str, http_listen: str) -> None:
     """``ValueError`` when the gRPC and the HTTP door would share a TCP port: both servers bind it
     (the API servers share theirs with SO_REUSEPORT), and each would get the other's clients."""

@@ -50,6 +50,8 @@ def test_bad_core_addresses_and_devices_are_refused():
     with pytest.raises(ValueError, match="bad engine core address ''"):
         split_core_addresses("127.0.0.1:5,")
     assert split_core_addresses("unix:/a, 127.0.0.1:5") == ["unix:/a", "127.0.0.1:5"]
+    with pytest.raises(ValueError, match="engine core address 'unix:/a' is given twice in 'unix:/a,unix:/a'"):
+        split_core_addresses("unix:/a,unix:/a")
     from pagewire.serve import serve_core, worker_settings
 
     with pytest.raises(ValueError, match="--device cuda:1 pins one GPU; with --data-parallel-size 2"):

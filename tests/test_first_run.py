@@ -128,6 +128,14 @@ def test_a_port_left_in_time_wait_is_free_but_one_listening_with_reuseport_is_no
     (["serve", "--rank", "1", "--world-size", "2", "--distributed-init", "127.0.0.1:1"],
      "--rank 1: serve and core run rank 0"),
     (["worker", "--listen", "127.0.0.1:0", "--device", "cuda"], "--device cuda: this machine has no CUDA device"),
+    # SO_REUSEPORT spreads clients over API servers on a port; on a socket path one would take all
+    (["serve", "--listen", "unix:/tmp/pagewire-test-{port}.sock", "--api-servers", "2"],
+     "several API servers (--api-servers 2) share a host:port, not a unix socket"),
+    # a core named twice, or this server's own address as another core's, would count twice
+    (["serve", "--listen", "127.0.0.1:{port}", "--data-parallel-cores", "127.0.0.1:1,127.0.0.1:1"],
+     "engine core address '127.0.0.1:1' is given twice"),
+    (["serve", "--listen", "127.0.0.1:{port}", "--data-parallel-cores", "127.0.0.1:{port}"],
+     "--data-parallel-cores names 127.0.0.1:{port}, this server's own --listen"),
 ])
 def test_bad_addresses_and_layouts_fail_at_once_in_one_line(argv, message, model_dir):
     """Before any model loads or any child starts: one line, exit 2."""

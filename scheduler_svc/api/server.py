@@ -272,6 +272,9 @@ def split_core_addresses(text: str) -> list[str]:
         elif check_host_port(address) is None:
             continue
         raise ValueError(f"bad engine core address {address!r} in {text!r}: host:port or unix:PATH")
+    twice = next((a for i, a in enumerate(addresses) if a in addresses[:i]), None)
+    if twice is not None:  # its requests and figures would count twice
+        raise ValueError(f"engine core address {twice!r} is given twice in {text!r}")
     return addresses
 
 

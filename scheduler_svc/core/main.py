@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagewire_common import step_profile
-from pagewire_common.addresses import add_port, check_address_free, check_distinct, http_url
+from pagewire_common.addresses import add_port, check_address_free, check_api_servers, check_distinct, http_url
 from pagewire_common.envs import METRICS_MULTIPROC_ENV, metrics_multiprocess_dir
 from pagewire_common.settings import API, PUBLIC, Settings
 from pagewire_common.supervisor import Supervisor, cli_argv, parent_run_dir
@@ -54,6 +54,7 @@ async def run_scheduler(worker_address: str, listen: str | None, settings: Setti
         listen = "(none)"
     else:
         check_distinct(listen, settings.http_listen)
+        check_api_servers(listen, settings.api_servers)
         listen = check_address_free(listen, wait_s=5.0)
         if settings.http_listen != "off":
             settings = settings.replace(http_listen=check_address_free(settings.http_listen, wait_s=5.0))
