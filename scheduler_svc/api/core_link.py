@@ -77,6 +77,7 @@ class CoreLink:
         self.worker_connected = False
         self.draining = False  # the core is shutting down: it takes no new requests
         self.waiting_for_model = False  # up, but waiting for a first core to say which model is served
+        self.mismatched = False  # its worker serves another model, or the same with other limits: no requests
         self.worker_generation = 0
         self.is_serving = False  # core link up, worker up, model adopted: requests may come here
         self._out = CoreRequests()  # queued for the core until the next turn of the loop
@@ -310,12 +311,15 @@ class CoreLink:
     async def adopt(self) -> None:
         """Take requests when the core's worker is up and the server serves its model (which
         ``ApiServer.adopt_model`` decides); otherwise take none."""
-        serving = False
+        serving = mismatched = False
         if self.worker_connected and not self.draining and self.info is not None:
             model = await self.server.adopt_model(self)
             if model is not None:
                 self.output.tokenizer = model.tokenizer
                 serving = True
+            else:
+                mismatched = not self.waiting_for_model
+        self.mismatched = mismatched
         self._set_serving(serving)
         if serving and not self._said_ready:
             self._said_ready = True
@@ -389,7 +393,7 @@ class CoreLink:
         self.core_connected = False
         self.worker_connected = False
         self.draining = False
-        self.waiting_for_model = False
+        self.waiting_for_model = self.mismatched = False
         self.info = None
         self._set_serving(False)
         if was_connected:

@@ -134,11 +134,20 @@ class ApiServer:
         files = dict(info.tokenizer_files) if "tokenizer.json" in info.tokenizer_files else None
         old = self.model
         link.waiting_for_model = False
+        others_serve = old is not None and any(o.is_serving for o in self.links if o is not link)
         if old is not None and old.info.model_name == info.model_name and old.files == files:
-            if old.info is not info and not any(o.is_serving for o in self.links if o is not link):
+            if old.info is not info and not others_serve:
                 self.model = ServedModel(info, old.tokenizer, old.offloaded, files)  # same model, maybe new limits
-            return self.model
-        if old is not None and any(o.is_serving for o in self.links if o is not link):
+                return self.model
+            differs = [f"{name} {getattr(info, name)} (the others {getattr(old.info, name)})"
+                       for name in _SHARED_LIMITS if getattr(info, name) != getattr(old.info, name)]
+            if not differs or not others_serve:
+                return self.model
+            # requests are checked against the served model's limits, and routed by its blocks
+            log.error("engine core %d (%s) serves %r with %s: it takes no requests", link.index, link.core_address,
+                      info.model_name, ", ".join(differs))
+            return None
+        if others_serve:
             log.error("engine core %d (%s) serves %r, the others %r: it takes no requests", link.index,
                       link.core_address, info.model_name, old.info.model_name)
             return None
@@ -225,8 +234,9 @@ class ApiServer:
                 return
 
     async def core_stats(self) -> list[tuple[int, pb.Stats]]:
-        """(core index, Stats) of every core whose link is up; ``NotReadyError`` when none is."""
-        links = [link for link in self.links if link.core_connected] or self.links[:1]
+        """(core index, Stats) of every core whose link is up and that does not serve another
+        model (or other limits); ``NotReadyError`` when none is."""
+        links = [link for link in self.links if link.core_connected and not link.mismatched] or self.links[:1]
         if self.num_cores > 1 and not any(link.core_connected for link in self.links):
             raise NotReadyError("no engine core is connected")
         results = await asyncio.gather(*(link.stats() for link in links), return_exceptions=True)
@@ -238,7 +248,7 @@ class ApiServer:
 
     async def stats(self) -> pb.Stats:
         """The cores' Stats summed (counts and counters add up; the worker is connected when every
-        core's is)."""
+        core's is: with several cores, false while any one's is away, though the others serve)."""
         per_core = await self.core_stats()
         total = pb.Stats()
         for _, stats in per_core:
@@ -277,6 +287,10 @@ def split_core_addresses(text: str) -> list[str]:
         raise ValueError(f"engine core address {twice!r} is given twice in {text!r}")
     return addresses
 
+
+# what every core of one served model must share: requests are checked against these before any
+# core is chosen, and routed by prompt blocks of that size
+_SHARED_LIMITS = ("max_model_len", "vocab_size", "block_size")
 
 _SUMMED_STATS = ("num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "num_requests_finished",
                  "num_requests_aborted", "num_requests_rejected", "num_cached_blocks", "num_steps", "num_preemptions",
