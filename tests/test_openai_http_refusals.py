@@ -299,8 +299,14 @@ def test_bad_sampling_controls_are_400(stack, extra):
     assert_all_blocks_free(addr)
 
 
-def test_bytes_that_are_not_http_log_one_warning_line():
-    """A gRPC client pointed at the HTTP port: aiohttp's error and parser traceback become one line."""
+@pytest.mark.parametrize("parser_says, looks_like", [
+    ("Pause on PRI/Upgrade:\n  b'\\x00\\x00'", "an HTTP/2 client, gRPC?, on the HTTP/1 port"),
+    ("Invalid method encountered:\n\n  b'\\x16\\x03\\x01'", "not HTTP: a TLS client on a plaintext port?"),
+    ("Duplicate Content-Length:", "a malformed HTTP request"),
+])
+def test_requests_that_do_not_parse_log_one_warning_line_saying_what_they_look_like(parser_says, looks_like):
+    """A gRPC client pointed at the HTTP port, a TLS hello, a malformed request: aiohttp's error and
+    its parser's traceback become one line."""
     import logging
     import sys
 
@@ -309,14 +315,14 @@ def test_bytes_that_are_not_http_log_one_warning_line():
     from scheduler_svc.api.http_server import _UnreadableRequests
 
     try:
-        raise BadHttpMessage("Pause on PRI/Upgrade:\n  b'\\x00\\x00'")
+        raise BadHttpMessage(parser_says)
     except BadHttpMessage:
         record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
                                    ("127.0.0.1",), sys.exc_info())
     assert _UnreadableRequests().filter(record)
     assert record.levelname == "WARNING" and record.exc_info is None
-    assert logging.Formatter().format(record) == ("Error handling request from 127.0.0.1 (not HTTP/1: a gRPC or TLS "
-                                                  "client on the HTTP port?): 400 Pause on PRI/Upgrade:")
+    assert logging.Formatter().format(record) == (f"Error handling request from 127.0.0.1 ({looks_like}): 400 "
+                                                  f"{parser_says.splitlines()[0]}")
 
 
 def test_a_client_gone_between_two_writes_ends_the_stream_quietly(monkeypatch, caplog):

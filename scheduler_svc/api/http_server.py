@@ -477,16 +477,23 @@ class _Answer:
 
 
 class _UnreadableRequests(logging.Filter):
-    """aiohttp logs bytes that are not HTTP/1 (a gRPC client pointed at the HTTP port, a TLS hello
-    on a plaintext port) as an error with its parser's traceback; one warning line says it."""
+    """aiohttp logs a request it cannot parse (a gRPC client pointed at the HTTP port, a TLS hello
+    on a plaintext port, a malformed HTTP/1 request) as an error with its parser's traceback; one
+    warning line says it, and which it looks like."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from aiohttp.http_exceptions import HttpProcessingError
 
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, HttpProcessingError):
-            record.msg, record.args = "%s (not HTTP/1: a gRPC or TLS client on the HTTP port?): %s %s", (
-                record.getMessage(), error.code, error.message.splitlines()[0] if error.message else "")
+            reason = error.message.splitlines()[0] if error.message else ""
+            if "PRI" in reason:  # HTTP/2's preface
+                kind = "an HTTP/2 client, gRPC?, on the HTTP/1 port"
+            elif "Invalid method" in reason:
+                kind = "not HTTP: a TLS client on a plaintext port?"
+            else:
+                kind = "a malformed HTTP request"
+            record.msg, record.args = "%s (%s): %s %s", (record.getMessage(), kind, error.code, reason)
             record.exc_info = record.exc_text = None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
