@@ -17,6 +17,10 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI's ranges: a penalty or bias beyond them only ever makes a token certain or impossible
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
+# the engine takes these as 32-bit floats (the wire's float fields): a non-zero value outside
+# [F32_TINY, F32_MAX] in size would arrive as 0 or infinity
+F32_TINY, F32_MAX = 2.0**-149, 3.4028234663852886e38
+_F32_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
 # The API servers match stop strings with an automaton that costs the same per character whatever
 # their number (scheduler_svc/api/stop_strings.py); these bound what one request may make it hold.
@@ -154,6 +158,11 @@ class SamplingParams:
         k = self.prompt_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {k!r}")
+        for name in _F32_FIELDS:
+            value = getattr(self, name)
+            if value and not F32_TINY <= abs(value) <= F32_MAX:
+                raise ValueError(f"{name} must fit the engine's 32-bit floats (0, or between {F32_TINY:.3g} and "
+                                 f"{F32_MAX:.3g} in size), got {value!r}")
         given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"at most one of json_schema, regex and grammar may be set, got {' and '.join(given)}")

@@ -281,21 +281,28 @@ def test_grpc_errors_still_grpc(stack):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.parametrize("extra", [
-    {"presence_penalty": -3.0},
-    {"repetition_penalty": -1.0},
-    {"top_logprobs": 21, "logprobs": True},
-    {"logit_bias": {"999999": 1.0}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-    {"guided_regex": "(unclosed"},
-    {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+@pytest.mark.parametrize("extra, param", [
+    ({"presence_penalty": -3.0}, "presence_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"logit_bias": {"999999": 1.0}}, None),  # the core's vocabulary check
+    ({"min_tokens": 9}, "min_tokens"),
+    # values the engine's 32-bit floats would turn into 0 or infinity
+    ({"top_p": 1e-300}, "top_p"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, None),
+    ({"guided_regex": "(unclosed"}, None),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, None),
 ])
-def test_bad_sampling_controls_are_400(stack, extra):
+def test_bad_sampling_controls_are_400_naming_the_field(stack, extra, param):
     addr, url, model = stack
     status, answer = http_json(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "x"}],
                                                               "max_tokens": 4, **extra})
     assert status == 400, answer
     assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+    if param is not None:
+        assert answer["error"]["param"] == param, answer
+        assert answer["error"]["message"].startswith(param) and "got 0.0" not in answer["error"]["message"], answer
     assert_all_blocks_free(addr)
 
 

@@ -45,8 +45,12 @@ class OpenAIError(Exception):
 
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, message: str) -> "OpenAIError":
+        """The answer to a refusal of the shared checks (or the core's): a message that starts
+        with the name of a sampling field ("top_p must be ...") names it as the param."""
         status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
-        return cls(status, message, kind, code=code.name.lower())
+        first = message.split(" ", 1)[0]
+        param = first if status == 400 and first in _SAMPLING_FIELDS else None
+        return cls(status, message, kind, param=param, code=code.name.lower())
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
