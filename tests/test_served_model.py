@@ -51,3 +51,73 @@ def test_a_core_with_other_limits_or_another_model_takes_no_requests(caplog):
         "engine core 1 (127.0.0.1:10) serves 'another', the others 'm': it takes no requests",
     ]
     assert (summed_with_both, summed_without) == (300, 100)
+
+
+def test_a_request_refused_for_room_or_lost_before_it_started_goes_to_another_core():
+    """Each API server sees the other servers' load on a core a poll late, and a core can die just
+    as a request reaches it: a request refused for want of room, or lost, before anything of it
+    reached the client, is handed to a core that has not refused or lost it; with none left, the
+    last failure is the answer."""
+    import grpc
+    import pytest
+
+    from pagewire_common.sampling import SamplingParams
+    from scheduler_svc.api.request import ApiRequest, RequestError
+
+    async def main():
+        api = ApiServer(["127.0.0.1:9", "127.0.0.1:10", "127.0.0.1:11"], routing="round-robin")
+        for link in api.links:
+            link.core_connected = link.worker_connected = True
+            link.info = _info(max_num_seqs=4)
+            await link.adopt()
+        request = ApiRequest(api.route([1, 2, 3], 1), "r", [1, 2, 3], SamplingParams(n=2))
+        deltas = request.__aiter__()
+        waiting = asyncio.ensure_future(anext(deltas))
+        cores = [request.api.index]
+        for code, message in ((grpc.StatusCode.RESOURCE_EXHAUSTED, "no room to start it now"),
+                              (grpc.StatusCode.UNAVAILABLE, "engine core is unavailable")):
+            request.api.fail_pending(code, message)
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            cores.append(request.api.index)
+            assert {request.id, request.id + 1} <= set(request.api.pending)  # both samples, on the new core
+        request.api.fail_pending(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
+        with pytest.raises(RequestError) as refused:
+            await waiting
+        not_rerouted = ApiRequest(api.links[0], "s", [4, 5], SamplingParams())
+        not_rerouted.api.fail_pending(grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary")
+        with pytest.raises(RequestError) as invalid:
+            await anext(not_rerouted.__aiter__())
+        await api.stop()
+        return cores, refused.value, request, invalid.value, not_rerouted
+
+    cores, refused, request, invalid, not_rerouted = asyncio.run(main())
+    assert sorted(cores) == [0, 1, 2]  # each core once
+    assert refused.message == "the queue is full" and request.refused
+    assert invalid.message == "outside the vocabulary" and not_rerouted.tried_cores == set()
+
+
+def test_a_request_of_several_samples_fails_once_when_its_only_core_is_lost():
+    """Its samples share one outbox: the loss puts one failure on it, which ends the stream with
+    that status (two once made the first look like a delta)."""
+    import grpc
+    import pytest
+
+    from pagewire_common.sampling import SamplingParams
+    from scheduler_svc.api.request import ApiRequest, RequestError
+
+    async def main():
+        api = ApiServer(["127.0.0.1:9"])
+        link = api.links[0]
+        link.core_connected = link.worker_connected = True
+        link.info = _info()
+        await link.adopt()
+        request = ApiRequest(link, "r", [1, 2, 3], SamplingParams(n=3))
+        link._link_lost("the scheduler core is unavailable")
+        with pytest.raises(RequestError) as lost:
+            await anext(request.__aiter__())
+        await api.stop()
+        return lost.value
+
+    lost = asyncio.run(main())
+    assert (lost.code, lost.message) == (grpc.StatusCode.UNAVAILABLE, "the scheduler core is unavailable")

@@ -190,10 +190,14 @@ class CoreLink:
             self._flush_wanted.set()
 
     def fail_pending(self, code: grpc.StatusCode, message: str) -> None:
-        """End every request in flight here: aborted in the core, failed to its client with ``code``."""
-        for request_id, pending in list(self.pending.items()):
+        """End every request in flight here: aborted in the core, failed to its client with ``code``
+        (one failure a request: its samples share its outbox)."""
+        outboxes = {pending.outbox: None for pending in self.pending.values()}
+        for request_id in list(self.pending):
             self.abort(request_id)
-            pending.outbox.put_nowait(Failure(code, message))
+        failure = Failure(code, message)
+        for outbox in outboxes:
+            outbox.put_nowait(failure)
         self.flush()
 
     def flush(self) -> None:
@@ -407,8 +411,8 @@ class CoreLink:
             self._lag_check.cancel()
             self._lag_check = None
         failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
-        for p in pending.values():
-            p.outbox.put_nowait(failure)
+        for outbox in {p.outbox: None for p in pending.values()}:  # one a request: its samples share it
+            outbox.put_nowait(failure)
         waiters, self._abort_waiters = self._abort_waiters, {}
         for future in (f for futures in waiters.values() for f in futures):
             if not future.done():

@@ -126,7 +126,7 @@ class ApiRequest:
 
     __slots__ = ("api", "id", "request_id", "prompt_token_ids", "sampling", "outbox", "finished",
                  "arrival", "first_token_at", "last_token_at", "num_output_tokens", "num_unfinished", "was_started",
-                 "refused")
+                 "refused", "tried_cores")
 
     def __init__(self, api: CoreLink, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams):
         self.api = api  # the core it runs on
@@ -141,6 +141,7 @@ class ApiRequest:
         self.num_unfinished = sampling.n  # samples still running (n > 1: each finishes on its own)
         self.was_started = False
         self.refused = False  # the core refused it before it started (no room, a full queue, ...)
+        self.tried_cores: set[int] = set()  # cores that refused or lost it before it started
         self.id = api.submit(request_id, prompt_token_ids, sampling, self.outbox, self)  # the core's id
 
     async def __aiter__(self) -> AsyncIterator[list[TextDelta]]:
@@ -156,6 +157,8 @@ class ApiRequest:
                     yield deltas
                     if self.finished:
                         return
+                elif not self.was_started and self._reroute(last):
+                    continue  # nothing of it reached the client: another core takes it
                 if last.code == grpc.StatusCode.CANCELLED:  # the public Abort: an abort, as a client's own cancel
                     self._end_unfinished("abort")
                 elif self.was_started:  # failed after the core took it on (a lost worker or core)
@@ -167,6 +170,22 @@ class ApiRequest:
             self.num_unfinished -= sum(it.finished for it in items)
             self.finished = self.num_unfinished == 0
             yield items
+
+    def _reroute(self, failure: Failure) -> bool:
+        """Submit the request to another core after its core refused it for want of room or was
+        lost before it produced anything (``ApiServer.reroute`` says whether and where)."""
+        server = getattr(self.api, "server", None)
+        other = server.reroute(self, failure) if server is not None else None
+        if other is None:
+            return False
+        self.outbox.release()
+        self.api = other
+        self.outbox = StreamOutbox(other)
+        try:
+            self.id = other.submit(self.request_id, self.prompt_token_ids, self.sampling, self.outbox, self)
+        except (NotReadyError, ValueError):
+            return False
+        return True
 
     def started(self) -> None:
         """The core scheduled the request for the first time: its time in the queue ends."""

@@ -33,7 +33,7 @@ from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.api.auth import ApiKeyInterceptor
 from scheduler_svc.api.core_link import CoreLink
 from scheduler_svc.api.kv_events import KVEventHub
-from scheduler_svc.api.request import Failure, NotReadyError, RequestError, open_request
+from scheduler_svc.api.request import ApiRequest, Failure, NotReadyError, RequestError, open_request
 from scheduler_svc.api.request_decoding import DecodeErrorInterceptor
 from scheduler_svc.api.router import NoCoreError, Router
 from scheduler_svc.api.tokenize import detokenize, tokenize
@@ -208,14 +208,14 @@ class ApiServer:
         for link in self.links:
             link.want_kv_events(any_left or self.router.uses_kv_events)
 
-    def route(self, token_ids: list[int], n: int) -> CoreLink:
+    def route(self, token_ids: list[int], n: int, exclude: set[int] | frozenset[int] = frozenset()) -> CoreLink:
         """The core that takes a request with this prompt and ``n`` samples (``router.py`` has
         the rules), among the cores with room for it when some have (``CoreLink.has_room``): a
-        full core would refuse it while another could run it."""
+        full core would refuse it while another could run it. ``exclude``: cores not to take."""
         if self.num_cores == 1:
             return self.links[0]
         hashes = prefix_block_hashes(token_ids, self.model.info.block_size) if self.router.uses_kv_events else []
-        loads = [link.load if link.is_serving else None for link in self.links]
+        loads = [link.load if link.is_serving and link.index not in exclude else None for link in self.links]
         roomy = [load if load is not None and link.has_room(load, n) else None for link, load in zip(self.links, loads)]
         if any(load is not None for load in roomy):
             loads = roomy
@@ -223,6 +223,21 @@ class ApiServer:
             return self.links[self.router.pick(hashes, loads)]
         except NoCoreError as e:
             raise NotReadyError(str(e)) from None
+
+    def reroute(self, request: ApiRequest, failure: Failure) -> CoreLink | None:
+        """Another core for a request that its core refused for want of room (each API server sees
+        the others' load a poll late) or lost before it produced anything, or None: one core, a
+        server shutting down, another failure, or no core left that has not refused or lost it."""
+        if self.num_cores == 1 or self.draining or failure.code not in _REROUTED:
+            return None
+        request.tried_cores.add(request.api.index)
+        try:
+            link = self.route(request.prompt_token_ids, request.sampling.n, exclude=request.tried_cores)
+        except NotReadyError:
+            return None
+        log.debug("request %s: %s on engine core %d; trying core %d", request.request_id, failure.message,
+                  request.api.index, link.index)
+        return link
 
     # ---- what every core answers -----------------------------------------------------------------
 
@@ -287,6 +302,9 @@ def split_core_addresses(text: str) -> list[str]:
         raise ValueError(f"engine core address {twice!r} is given twice in {text!r}")
     return addresses
 
+
+# a request that met these before it produced anything goes to another core (``reroute``)
+_REROUTED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 # what every core of one served model must share: requests are checked against these before any
 # core is chosen, and routed by prompt blocks of that size
