@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import tempfile
 
@@ -36,7 +35,7 @@ from pagewire_common.settings import (
     Settings,
     check_host_port,
 )
-from pagewire_common.supervisor import Supervisor, cli_argv
+from pagewire_common.supervisor import Supervisor, cli_argv, remove_run_dir
 from pagewire_common.v1 import core_pb2, core_pb2_grpc
 from scheduler_svc.api.server import split_core_addresses
 from scheduler_svc.core.main import api_server_argv
@@ -72,7 +71,7 @@ def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
             return eventloop.run(_serve_data_parallel(settings, listen, log_level, run_dir, workers))
         return eventloop.run(_serve(settings, listen, log_level, run_dir))
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        remove_run_dir(run_dir)
         log.info("stopped")
 
 
@@ -88,7 +87,7 @@ def serve_core(settings: Settings, listen: str, log_level: str = "info") -> int:
     try:
         return eventloop.run(_serve_core(settings, listen, log_level, run_dir))
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        remove_run_dir(run_dir)
         log.info("stopped")
 
 

@@ -92,10 +92,21 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _remove_if_orphaned(run_dir: str, parent: int) -> None:
+def _remove_if_orphaned(run_dir: str, parent: int, tries: int = 5) -> None:
     # the kernel hands an orphan to another parent before it delivers the parent-death signal
     if os.getppid() != parent:
+        remove_run_dir(run_dir, tries)
+
+
+def remove_run_dir(run_dir: str, tries: int = 5) -> None:
+    """Remove a temp folder that sibling processes, still starting, may write into meanwhile (an
+    API server's first metrics file): a file they add while it is removed leaves the folder, so
+    try again, a tenth of a second apart."""
+    for attempt in range(tries):
         shutil.rmtree(run_dir, ignore_errors=True)
+        if not os.path.exists(run_dir) or attempt == tries - 1:
+            return
+        time.sleep(0.1)
 
 
 @dataclass(slots=True)

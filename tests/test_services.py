@@ -590,3 +590,26 @@ def test_subscribe_kv_events_sees_a_generates_blocks_stored_as_one_chain(service
     for before, after in zip(mine, mine[1:]):  # each event's parent is the last hash of the one before
         assert after.parent_block_hash == before.block_hashes[-1]
     assert all(e.block_size == 4 and len(e.token_ids) == 4 * len(e.block_hashes) for e in mine)
+
+
+def test_a_run_folder_written_into_while_it_is_removed_is_removed_all_the_same(tmp_path, monkeypatch):
+    """A child that outlives serve removes serve's temp folder while a sibling, still starting,
+    adds a file to it: the removal goes on until the folder is gone."""
+    import shutil
+
+    from pagewire_common import supervisor
+
+    run_dir = tmp_path / "pagewire-run"
+    (run_dir / "metrics").mkdir(parents=True)
+    real_rmtree, calls = shutil.rmtree, []
+
+    def racing_rmtree(path, ignore_errors=False):
+        calls.append(path)
+        real_rmtree(path, ignore_errors=ignore_errors)
+        if len(calls) == 1:  # a sibling writes its first file just behind it
+            (run_dir / "metrics").mkdir(parents=True)
+            (run_dir / "metrics" / "counter_1234.db").write_bytes(b"x")
+
+    monkeypatch.setattr(supervisor.shutil, "rmtree", racing_rmtree)
+    supervisor.remove_run_dir(str(run_dir))
+    assert not run_dir.exists() and len(calls) == 2
