@@ -272,7 +272,10 @@ def test_sigterm_to_serve_with_two_cores_drains_every_api_server_at_once(model_d
         stubs = [pb_grpc.GenerationStub(own_channel(listen)) for _ in prompts]
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(long_request, st, p) for st, p in zip(stubs, prompts)]
-            wait_until(lambda: stub(listen).GetStats(pb.StatsRequest()).num_waiting >= 8, timeout=30, interval=0.01)
+            # every one taken by a core before SIGTERM (a late one would be refused as shutting down)
+            wait_until(lambda: (lambda s: s.num_running + s.num_waiting + s.num_requests_finished == len(prompts)
+                                and s.num_waiting >= 4)(stub(listen).GetStats(pb.StatsRequest())),
+                       timeout=30, interval=0.01)
             proc.signal(signal.SIGTERM)
             # all three stop taking requests together (one after another, each would drain first)
             wait_until(lambda: proc.output().count("new requests are refused") == 3, timeout=1.5, interval=0.01)
