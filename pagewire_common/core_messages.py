@@ -59,6 +59,7 @@ class NewRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     name: str = ""  # the client's request_id: unique among running requests, what Abort finds it by
+    passable: bool = False  # its API server may offer it to another core: a refusal for room is not counted
 
 
 @dataclass(slots=True)
@@ -90,7 +91,7 @@ class CoreRequests:
         ``to_bytes`` would lose the whole turn's message."""
         return core_pb2.CoreRequests(adds=[core_pb2.CoreAdd(
             request_id=add.request_id, prompt_token_ids=np.asarray(add.prompt_token_ids, dtype=_I32).tobytes(),
-            sampling=wire.sampling_to_pb(add.sampling), name=add.name)]).SerializeToString()
+            sampling=wire.sampling_to_pb(add.sampling), name=add.name, passable=add.passable)]).SerializeToString()
 
     def to_bytes(self) -> bytes:
         msg = core_pb2.CoreRequests(num_rejected=self.num_rejected, ready=self.ready,
@@ -118,7 +119,7 @@ class CoreRequests:
                 adds.append(BadRequest(add.request_id, str(e)))
                 continue
             adds.append(NewRequest(add.request_id, np.frombuffer(add.prompt_token_ids, dtype=_I32).tolist(), sampling,
-                                   add.name))
+                                   add.name, add.passable))
         requests = cls(adds, _ids(msg.abort_ids), _ids(msg.stop_ids), msg.num_rejected, msg.ready, msg.num_outputs_done,
                        list(msg.abort_names))
         if msg.HasField("kv_events"):

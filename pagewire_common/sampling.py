@@ -20,6 +20,8 @@ MAX_ABS_LOGIT_BIAS = 100.0
 # the engine takes these as 32-bit floats (the wire's float fields): a non-zero value outside
 # [F32_TINY, F32_MAX] in size would arrive as 0 or infinity
 F32_TINY, F32_MAX = 2.0**-149, 3.4028234663852886e38
+# temperatures below this sample greedily (vLLM's threshold); they are taken as 0
+GREEDY_BELOW = 1e-5
 _F32_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
 # The API servers match stop strings with an automaton that costs the same per character whatever
@@ -33,7 +35,8 @@ MAX_STOP_CHARS = 65536  # all of a request's stop strings together
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` means greedy decoding; ``top_k == 0`` (or -1, as vLLM spells it) and
+    ``temperature == 0`` means greedy decoding, and so does one below ``GREEDY_BELOW`` (1e-5, as in
+    vLLM: the sampler's 1 / temperature would overflow its 32-bit floats); ``top_k == 0`` (or -1, as vLLM spells it) and
     ``top_p == 1.0`` switch those filters off. ``seed`` makes a sampled request reproducible: the same prompt,
     parameters and seed give the same tokens whatever else is in the batch. ``stop`` strings
     end generation and are cut from the returned text (kept at its end with
@@ -91,6 +94,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k == -1:  # vLLM's "off"
             object.__setattr__(self, "top_k", 0)
         # Lists are accepted for convenience and frozen into tuples so the params stay hashable.

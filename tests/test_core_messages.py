@@ -113,7 +113,7 @@ def test_a_failed_write_to_the_core_ends_the_session_rather_than_the_writer(capl
     from scheduler_svc.api.core_link import CoreLink
 
     async def run():
-        link = CoreLink(SimpleNamespace(metrics=None, stream_interval=1), 0, "unix:/nonexistent.sock")
+        link = CoreLink(SimpleNamespace(metrics=None, stream_interval=1, num_cores=1), 0, "unix:/nonexistent.sock")
         closed, written = [], []
         link._session = SimpleNamespace(close=lambda: closed.append(True), write=written.append)
         writer = asyncio.get_running_loop().create_task(link._write_loop())
@@ -145,7 +145,7 @@ def test_a_state_message_while_requests_run_keeps_their_ids_unique():
     from scheduler_svc.api.core_link import CoreLink
 
     async def run():
-        server = SimpleNamespace(metrics=None, stream_interval=1, link_changed=lambda link: None)
+        server = SimpleNamespace(metrics=None, stream_interval=1, num_cores=1, link_changed=lambda link: None)
         link = CoreLink(server, 0, "unix:/nonexistent.sock")
         ids = []
         for draining in (False, True, False):

@@ -91,8 +91,8 @@ def _requests(client: ApiClient, adds=(), **fields) -> CoreRequests:
     """What an API server sends: its requests numbered from 0 take its ids (the core's id of the
     server in the high half), as ``ApiServer.submit`` gives them."""
     base = first_request_id(client.api_server_id)
-    return CoreRequests(adds=[NewRequest(base + a.request_id, a.prompt_token_ids, a.sampling, a.name) for a in adds],
-                        **fields)
+    return CoreRequests(adds=[NewRequest(base + a.request_id, a.prompt_token_ids, a.sampling, a.name, a.passable)
+                              for a in adds], **fields)
 
 
 def _index(client: ApiClient, request_id: int) -> int:
@@ -348,14 +348,16 @@ def test_a_closed_api_server_stream_aborts_its_requests_and_frees_their_blocks()
 
 def test_requests_arriving_together_at_an_idle_engine_queue_only_past_the_batch():
     """max_num_seqs 2 and a queue of 1: of four requests in one message, two start at the next
-    step and are not queued, the third waits, the fourth finds the queue full."""
+    step and are not queued, the third waits, the fourth finds the queue full; so does a fifth
+    that its API server may offer to another core, which the core leaves uncounted."""
     async def main():
         service, _ = await _core(Settings(max_num_seqs=2, max_queued_requests=1, max_num_batched_tokens=64))
         client = service.open_client()
         ok = SamplingParams(max_tokens=4, ignore_eos=True)
         received = Received(service)
-        collector = asyncio.ensure_future(received.collect(client, 4))
-        service.apply(client, _requests(client, adds=[_add(i, [1, 2, 3 + i], ok) for i in range(1, 5)]))
+        collector = asyncio.ensure_future(received.collect(client, 5))
+        passable = NewRequest(5, [1, 2, 8], ok, passable=True)
+        service.apply(client, _requests(client, adds=[*(_add(i, [1, 2, 3 + i], ok) for i in range(1, 5)), passable]))
         await asyncio.wait_for(collector, 30)
         stats = service.stats()
         engine = service.engine
@@ -364,7 +366,8 @@ def test_requests_arriving_together_at_an_idle_engine_queue_only_past_the_batch(
 
     received, stats, engine = asyncio.run(main())
     assert {rid: code for rid, (code, _) in received.errors.items()} == {
-        4: grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+        4: grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], 5: grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+    assert stats["num_requests_rejected"] == 1
     assert sorted(received.finished) == [1, 2, 3]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     engine.allocator.check_integrity()

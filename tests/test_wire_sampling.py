@@ -81,3 +81,19 @@ def test_plans_carry_the_parameters_of_new_sequences():
 
 def gen_pb_roundtrip(msg):
     return type(msg).FromString(msg.SerializeToString())
+
+
+def test_temperatures_too_small_for_the_sampler_are_greedy():
+    """1 / temperature in the sampler's 32-bit floats overflows below about 3e-39 (a draw from
+    infinite logits is a random token): below vLLM's 1e-5 a temperature is taken as 0, greedy,
+    on both doors (the wire carries the 32-bit value) and offline."""
+    from pagewire_common.sampling import GREEDY_BELOW
+
+    for t in (1e-40, 2e-39, 1e-6):
+        params = SamplingParams(temperature=t)
+        assert params.temperature == 0.0 and params.is_greedy
+        msg = wire.sampling_to_pb(SamplingParams())
+        msg.temperature = t  # what a gRPC client sends, as a 32-bit float
+        assert wire.sampling_from_pb(msg).is_greedy
+    assert SamplingParams(temperature=GREEDY_BELOW).temperature == GREEDY_BELOW
+    assert not SamplingParams(temperature=0.7).is_greedy

@@ -89,9 +89,10 @@ class CoreLink:
         self._said_ready = False
         # core messages with tokens: dispatched to their streams, taken by every stream, told to the core
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
-        # streams with something put on their outbox and not yet taken -> the count of messages
-        # dispatched before it was put there
-        self._undelivered: dict[StreamOutbox, int] = {}
+        # streams with something put on their outbox and not yet taken -> when it was put there
+        # (the dispatch of its message began), oldest first; one timer lets go of the laggards
+        self._undelivered: dict[StreamOutbox, float] = {}
+        self._dispatched_at = 0.0
         self._lag_check: asyncio.TimerHandle | None = None
         self._handed_on_ns = 0  # profiling: when the last message's deltas were handed on, until all are taken
         # the core's running + waiting requests at its last report, and how many of them were ours then
@@ -174,7 +175,7 @@ class CoreLink:
         # n > 1: the samples are the n consecutive ids from this one, each with its own stream
         for _ in range(1, sampling.n):
             next(self._request_ids)
-        encoded = CoreRequests.encode_add(NewRequest(request_id, token_ids, sampling, name))
+        encoded = CoreRequests.encode_add(NewRequest(request_id, token_ids, sampling, name, self.server.num_cores > 1))
         self.output.add(request_id, name, token_ids, sampling)
         for index in range(sampling.n):
             self.pending[request_id + index] = _Pending(outbox, request, sampling.n)
@@ -285,6 +286,7 @@ class CoreLink:
                 msg = CoreOutputs.from_bytes(data)
             if msg.has_worker_state:
                 await self._worker_state(msg)
+            self.begin_dispatch()
             self.dispatch(msg)
             if msg.kv_events is not None:
                 msg.kv_events.core_index = self.index
@@ -335,6 +337,10 @@ class CoreLink:
             self.is_serving = serving
             self.server.link_changed(self)
 
+    def begin_dispatch(self) -> None:
+        """A core message is about to be dispatched: what it puts on a stream waits from now."""
+        self._dispatched_at = time.monotonic()
+
     def handed_on(self) -> None:
         """A core message with tokens was dispatched to its streams: it is done once every one
         took its part (``delivered``), or at once if none has anything waiting."""
@@ -342,8 +348,7 @@ class CoreLink:
         if not self._undelivered:
             self._all_delivered()
         elif self._lag_check is None:
-            self._lag_check = asyncio.get_running_loop().call_later(
-                LAGGING_STREAM_S, self._let_laggards_go, self._num_outputs_dispatched)
+            self._check_lag_at(next(iter(self._undelivered.values())) + LAGGING_STREAM_S)
 
     @property
     def num_outputs_done(self) -> int:
@@ -352,7 +357,7 @@ class CoreLink:
 
     def note_undelivered(self, outbox: StreamOutbox) -> None:
         """A stream has something put on its outbox that its handler has not taken yet."""
-        self._undelivered[outbox] = self._num_outputs_dispatched
+        self._undelivered[outbox] = self._dispatched_at
 
     def delivered(self, outbox: StreamOutbox) -> None:
         """A stream took what was put on it; once none has anything waiting, every core message
@@ -361,11 +366,21 @@ class CoreLink:
         if not self._undelivered:
             self._all_delivered()
 
-    def _let_laggards_go(self, dispatched: int) -> None:
-        """``LAGGING_STREAM_S`` after the first ``dispatched`` core messages were handed on: the
-        streams that still hold a part of them stop holding up the acknowledgement."""
+    def _check_lag_at(self, when: float) -> None:
+        self._lag_check = asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()),
+                                                                 self._let_laggards_go)
+
+    def _let_laggards_go(self) -> None:
+        """The streams that have held a part for ``LAGGING_STREAM_S`` stop holding up the
+        acknowledgement; the timer is set again for the next one to come due while an
+        acknowledgement waits (one timer: it is not cancelled when all deliver in time)."""
         self._lag_check = None
-        laggards = [outbox for outbox, before in self._undelivered.items() if before < dispatched]
+        due = time.monotonic() - LAGGING_STREAM_S
+        laggards = []
+        for outbox, since in self._undelivered.items():  # oldest first
+            if since > due:
+                break
+            laggards.append(outbox)
         for outbox in laggards:
             del self._undelivered[outbox]
             outbox.lag()
@@ -374,13 +389,9 @@ class CoreLink:
         if not self._undelivered:
             self._all_delivered()
         elif self._num_outputs_done != self._num_outputs_dispatched:
-            self._lag_check = asyncio.get_running_loop().call_later(
-                LAGGING_STREAM_S, self._let_laggards_go, self._num_outputs_dispatched)
+            self._check_lag_at(next(iter(self._undelivered.values())) + LAGGING_STREAM_S)
 
     def _all_delivered(self) -> None:
-        if self._lag_check is not None:
-            self._lag_check.cancel()
-            self._lag_check = None
         if self._num_outputs_done != self._num_outputs_dispatched:
             self._num_outputs_done = self._num_outputs_dispatched
             self._flush_wanted.set()
@@ -407,9 +418,12 @@ class CoreLink:
         self.output.streams.clear()
         self._num_outputs_dispatched = self._num_outputs_done = self._num_outputs_acked = 0
         self._handed_on_ns = 0
-        if self._lag_check is not None:  # its counts are of the session that ended
+        if self._lag_check is not None:
             self._lag_check.cancel()
             self._lag_check = None
+        for outbox in self._undelivered:  # the session's: its failure or its deltas, not its pace
+            outbox.lag()
+        self._undelivered.clear()
         failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
         for outbox in {p.outbox: None for p in pending.values()}:  # one a request: its samples share it
             outbox.put_nowait(failure)

@@ -35,7 +35,11 @@ class ApiServer(Protocol):
     core_connected: bool
     metrics: Any  # RequestMetrics, or None
 
-    def route(self, token_ids: list[int]) -> "CoreLink": ...
+    num_cores: int
+
+    def route(self, token_ids: list[int], n: int, exclude: set[int] | frozenset[int] = frozenset()) -> "CoreLink": ...
+
+    def reroute(self, request: "ApiRequest", failure: "Failure") -> "CoreLink | None": ...
 
     def reject(self) -> None: ...
 
@@ -44,9 +48,13 @@ class CoreLink(Protocol):
     """What a request needs of the engine core it runs on (``api.core_link.CoreLink``)."""
 
     metrics: Any  # RequestMetrics, or None
+    server: ApiServer
+    index: int  # the core's place among the API server's cores
 
     def submit(self, name: str, token_ids: list[int], sampling: SamplingParams, outbox: Outbox,
                request: "ApiRequest") -> int: ...
+
+    def reject(self) -> None: ...
 
     def abort(self, request_id: int) -> None: ...
 
@@ -165,6 +173,9 @@ class ApiRequest:
                     self._end_unfinished("error")
                 else:  # refused before it started (no room, a full queue, a duplicate id): not a finished request
                     self.finished = self.refused = True
+                    server = getattr(self.api, "server", None)
+                    if last.code == grpc.StatusCode.RESOURCE_EXHAUSTED and server is not None and server.num_cores > 1:
+                        self.api.reject()  # the cores that refused it for room left it to be counted here, once
                 raise RequestError(last.code, last.message)
             self._observe(items)
             self.num_unfinished -= sum(it.finished for it in items)

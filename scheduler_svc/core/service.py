@@ -307,7 +307,8 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             return
         refusal = self._queue_refusal(engine, n)
         if refusal is not None:
-            self.num_rejected += 1
+            if not add.passable:  # else its API server counts it, if no other core takes it
+                self.num_rejected += 1
             client.error(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             return
         engine.add_request(request_id, token_ids, add.sampling, validated=True)
