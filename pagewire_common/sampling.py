@@ -36,8 +36,8 @@ class SamplingParams:
     """How to pick tokens for one request.
 
     ``temperature == 0`` means greedy decoding, and so does one below ``GREEDY_BELOW`` (1e-5, as in
-    vLLM: the sampler's 1 / temperature would overflow its 32-bit floats); ``top_k == 0`` (or -1, as vLLM spells it) and
-    ``top_p == 1.0`` switch those filters off. ``seed`` makes a sampled request reproducible: the same prompt,
+    vLLM: the sampler's 1 / temperature would overflow its 32-bit floats); ``top_k == 0`` (or -1,
+    as vLLM spells it) and ``top_p == 1.0`` switch those filters off. ``seed`` makes a sampled request reproducible: the same prompt,
     parameters and seed give the same tokens whatever else is in the batch. ``stop`` strings
     end generation and are cut from the returned text (kept at its end with
     ``include_stop_str_in_output``); ``stop_token_ids`` end it and are kept
