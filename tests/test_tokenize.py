@@ -54,7 +54,7 @@ def make_api(tokenizer: Tokenizer | None, *, connected: bool = True, inline_char
         return [(0, await get_stats())]
 
     return SimpleNamespace(model=ServedModel(info, tokenizer, offloaded), connected=event, core_connected=True,
-                           draining=False, stats=get_stats, core_stats=core_stats)
+                           was_connected=True, started_at=0.0, draining=False, stats=get_stats, core_stats=core_stats)
 
 
 def call(api, method: str, request):
@@ -184,3 +184,39 @@ def test_loads_without_a_core_is_unavailable():
 
     code, details = status_of(make_api(None, stats=Lost()), "GetLoads", pb.LoadsRequest())
     assert code == grpc.StatusCode.UNAVAILABLE and "connection refused" in details
+
+
+def test_a_starting_api_server_holds_a_request_until_it_reaches_its_core(tokenizer, monkeypatch):
+    """Restarted beside others on one port, an API server takes clients (SO_REUSEPORT) a moment
+    before its core link is up: their requests wait for it instead of a 503; one that started
+    long enough ago and never got there says so."""
+    import time
+
+    from pagewire_common.sampling import SamplingParams
+    from scheduler_svc.api import request
+    from scheduler_svc.api.request import RequestError, check_request
+
+    async def main():
+        api = make_api(tokenizer, connected=False)
+        api.model.info.max_num_seqs = 8
+        api.was_connected, api.started_at, api.reject = False, time.monotonic(), lambda: None
+
+        def connect():
+            api.connected.set()
+            api.was_connected = True
+
+        asyncio.get_running_loop().call_later(0.2, connect)
+        waited = time.monotonic()
+        checked = await check_request(api, sampling=SamplingParams(), prompt_token_ids=[1, 2])
+        waited = time.monotonic() - waited
+        never = make_api(tokenizer, connected=False)
+        never.was_connected, never.started_at, never.reject = False, time.monotonic(), lambda: None
+        monkeypatch.setattr(request, "STARTING_WAIT_S", 0.1)
+        with pytest.raises(RequestError) as refused:
+            await check_request(never, sampling=SamplingParams(), prompt_token_ids=[1, 2])
+        return checked, waited, refused.value
+
+    checked, waited, refused = asyncio.run(main())
+    assert checked.prompt_token_ids == [1, 2] and 0.15 < waited < 5
+    assert (refused.code, refused.message) == (
+        grpc.StatusCode.UNAVAILABLE, "this API server is starting: its engine core and worker are not reachable yet")

@@ -45,6 +45,7 @@ from scheduler_svc.api.request import (
     check_request,
     check_together,
     encode_prompt,
+    not_serving_reason,
     submit_request,
 )
 
@@ -109,8 +110,7 @@ class OpenAIDoor:
     def _model(self):
         model = self.api.model
         if model is None or not self.api.is_serving:
-            raise OpenAIError(503, "the worker is not connected" if self.api.core_connected
-                              else "the scheduler core is not connected", "service_unavailable_error")
+            raise OpenAIError(503, not_serving_reason(self.api), "service_unavailable_error")
         return model
 
     async def models(self, request: web.Request) -> web.Response:

@@ -25,6 +25,9 @@ from pagewire_common.eventloop import Outbox
 from pagewire_common.requests import TextDelta, check_request_id, check_without_tokenizer, validate_prompt_tokens
 from pagewire_common.sampling import SamplingParams
 
+# how long after its start an API server that has not reached its core yet holds a request for it
+STARTING_WAIT_S = 10.0
+
 
 class ApiServer(Protocol):
     """What a request needs of the API server it came in by (``api.server.ApiServer``)."""
@@ -32,6 +35,8 @@ class ApiServer(Protocol):
     draining: bool  # shutting down: refuse new requests
     model: Any  # the served model (limits, tokenizer), None until a core reported it
     connected: asyncio.Event  # some core's link and that core's link to its worker are up
+    was_connected: bool  # connected at least once since the process started
+    started_at: float  # time.monotonic() at its start
     core_connected: bool
     metrics: Any  # RequestMetrics, or None
 
@@ -324,6 +329,15 @@ async def _check(api, request_id, sampling, sampling_error, prompt, ids, message
                  fill_max_tokens) -> CheckedRequest:
     if api.draining:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+    if not api.was_connected:
+        # an API server restarted beside others on one port takes clients at once (SO_REUSEPORT)
+        # and reaches its core a moment later: a request then waits for that, not refused
+        left = STARTING_WAIT_S - (time.monotonic() - api.started_at)
+        if left > 0:
+            try:
+                await asyncio.wait_for(api.connected.wait(), left)
+            except asyncio.TimeoutError:
+                pass
     model = served_model(api, model_name)
     info = model.info
     given = sum(x is not None for x in (prompt, ids, messages))
@@ -350,13 +364,19 @@ async def _check(api, request_id, sampling, sampling_error, prompt, ids, message
     return CheckedRequest(request_id or uuid.uuid4().hex, list(ids), sampling)
 
 
+def not_serving_reason(api: ApiServer) -> str:
+    """Why the API server takes no requests now (its UNAVAILABLE or 503 message)."""
+    if not api.was_connected:
+        return "this API server is starting: its engine core and worker are not reachable yet"
+    return "the worker is not connected" if api.core_connected else "the scheduler core is not connected"
+
+
 def served_model(api: ApiServer, model_name: str = ""):
     """The served model (``ServedModel``) once the core and the worker are up, checked against the
     name a client gave; ``RequestError`` (UNAVAILABLE, INVALID_ARGUMENT) otherwise."""
     model = api.model
     if model is None or not api.connected.is_set():
-        raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                           "the worker is not connected" if api.core_connected else "the scheduler core is not connected")
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, not_serving_reason(api))
     if model_name and model_name != model.info.model_name:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"unknown model {model_name!r}; this server serves {model.info.model_name!r}")

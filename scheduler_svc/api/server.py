@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -77,6 +78,8 @@ class ApiServer:
         self.links = [CoreLink(self, i, address) for i, address in enumerate(addresses)]
         self.model: ServedModel | None = None
         self.connected = asyncio.Event()  # some core is up with its worker, and the model is known
+        self.started_at = time.monotonic()
+        self.was_connected = False  # connected at least once since this process started
         self.draining = False  # shutting down: new requests are refused on every door
         self.kv_events = KVEventHub(self._kv_subscribers_changed)  # SubscribeKVEvents streams
         self._adopting = asyncio.Lock()
@@ -182,6 +185,7 @@ class ApiServer:
         up = any(o.is_serving for o in self.links)
         if up and not self.connected.is_set():
             self.connected.set()
+            self.was_connected = True
             self._on_health(True)
         elif not up and self.connected.is_set():
             self.connected.clear()
