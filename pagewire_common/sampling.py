@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass
 
 _MAX_SEED = 2**64 - 1
@@ -20,8 +21,16 @@ MAX_ABS_LOGIT_BIAS = 100.0
 # the engine takes these as 32-bit floats (the wire's float fields): a non-zero value outside
 # [F32_TINY, F32_MAX] in size would arrive as 0 or infinity
 F32_TINY, F32_MAX = 2.0**-149, 3.4028234663852886e38
-# temperatures below this sample greedily (vLLM's threshold); they are taken as 0
+# temperatures below this sample greedily (vLLM's threshold); they are taken as 0, compared as
+# the 32-bit floats the wire carries, so that a value and its rounding land on the same side
 GREEDY_BELOW = 1e-5
+
+
+def _as_f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+_GREEDY_BELOW_F32 = _as_f32(GREEDY_BELOW)
 _F32_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 STRUCTURED_FIELDS = ("json_schema", "regex", "grammar")
 # The API servers match stop strings with an automaton that costs the same per character whatever
@@ -94,7 +103,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < GREEDY_BELOW:
+        t = self.temperature
+        if isinstance(t, (int, float)) and 0 < t < 2 * GREEDY_BELOW and _as_f32(t) < _GREEDY_BELOW_F32:
             object.__setattr__(self, "temperature", 0.0)
         if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k == -1:  # vLLM's "off"
             object.__setattr__(self, "top_k", 0)

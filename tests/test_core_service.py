@@ -373,6 +373,29 @@ def test_requests_arriving_together_at_an_idle_engine_queue_only_past_the_batch(
     engine.allocator.check_integrity()
 
 
+def test_a_core_shutting_down_counts_a_passable_refusal_not_at_all_and_another_once():
+    """While it drains a core refuses new requests UNAVAILABLE; one its API server may offer to
+    another core is left for that server to count."""
+    async def main():
+        service, _ = await _core(Settings(max_num_batched_tokens=64))
+        client = service.open_client()
+        received = Received(service)
+        collector = asyncio.ensure_future(received.collect(client, 2))
+        service.draining = True
+        ok = SamplingParams(max_tokens=4)
+        service.apply(client, _requests(client, adds=[_add(1, [1, 2, 3], ok),
+                                                      NewRequest(2, [1, 2, 4], ok, passable=True)]))
+        await asyncio.wait_for(collector, 30)
+        stats = service.stats()
+        await service.stop()
+        return received, stats
+
+    received, stats = asyncio.run(main())
+    unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+    assert {rid: code for rid, (code, _) in received.errors.items()} == {1: unavailable, 2: unavailable}
+    assert stats["num_requests_rejected"] == 1
+
+
 def test_refusals_come_back_on_the_stream_with_their_status():
     async def main():
         service, _ = await _core(Settings(max_num_seqs=1, max_queued_requests=1, max_num_batched_tokens=64))

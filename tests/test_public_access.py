@@ -284,3 +284,48 @@ def test_bad_tls_files_stop_serve_with_one_line(tmp_path):
     assert out.returncode == 2
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("pagewire: error: --tls-cert-file") and "private key" in lines[0]
+
+
+def test_both_doors_hold_a_request_while_the_api_server_has_not_reached_its_core(monkeypatch):
+    """An API server with no core behind it (as one restarted beside others is for a moment):
+    a generation request on either door waits up to STARTING_WAIT_S from its start, then gets
+    UNAVAILABLE / 503 saying the server is starting."""
+    import time
+
+    import aiohttp
+
+    from scheduler_svc.api import request
+    from scheduler_svc.api.http_server import start_http
+    from scheduler_svc.api.server import ApiServer, build_server, stop_servers
+
+    monkeypatch.setattr(request, "STARTING_WAIT_S", 0.5)
+
+    async def main():
+        api = ApiServer(f"127.0.0.1:{free_port()}")  # nothing listens there
+        servers, port, _servicer, _health = await build_server(api, f"127.0.0.1:{free_port()}", False)
+        runner, http_port = await start_http(api, f"127.0.0.1:{free_port()}", False)
+        api.start()
+        try:
+            started = time.monotonic()
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{http_port}/v1/completions",
+                                        json={"prompt": "hi", "max_tokens": 2}) as r:
+                    http = (r.status, (await r.json())["error"]["message"], time.monotonic() - started)
+            api.started_at = started = time.monotonic()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                try:
+                    await _drain(generation_pb2_grpc.GenerationStub(channel).Generate(
+                        pb.GenerateRequest(prompt_token_ids=[1, 2])))
+                    grpc_answer = None
+                except grpc.aio.AioRpcError as e:
+                    grpc_answer = (e.code(), e.details(), time.monotonic() - started)
+        finally:
+            await runner.cleanup()
+            await stop_servers(servers, None)
+            await api.stop()
+        return http, grpc_answer
+
+    http, grpc_answer = asyncio.run(main())
+    starting = "this API server is starting: its engine core is not reachable yet"
+    assert http[:2] == (503, starting) and 0.3 < http[2] < 5, http
+    assert grpc_answer[:2] == (grpc.StatusCode.UNAVAILABLE, starting) and 0.3 < grpc_answer[2] < 5, grpc_answer

@@ -211,12 +211,23 @@ def test_a_starting_api_server_holds_a_request_until_it_reaches_its_core(tokeniz
         waited = time.monotonic() - waited
         never = make_api(tokenizer, connected=False)
         never.was_connected, never.started_at, never.reject = False, time.monotonic(), lambda: None
+        never.core_connected = False
         monkeypatch.setattr(request, "STARTING_WAIT_S", 0.1)
         with pytest.raises(RequestError) as refused:
             await check_request(never, sampling=SamplingParams(), prompt_token_ids=[1, 2])
-        return checked, waited, refused.value
+        # SIGTERM during the wait ends it: the request is refused as the server is shutting down
+        monkeypatch.setattr(request, "STARTING_WAIT_S", 30.0)
+        draining = make_api(tokenizer, connected=False)
+        draining.was_connected, draining.started_at, draining.reject = False, time.monotonic(), lambda: None
+        asyncio.get_running_loop().call_later(0.1, lambda: setattr(draining, "draining", True))
+        stopped = time.monotonic()
+        with pytest.raises(RequestError) as shutting:
+            await check_request(draining, sampling=SamplingParams(), prompt_token_ids=[1, 2])
+        return checked, waited, refused.value, shutting.value, time.monotonic() - stopped
 
-    checked, waited, refused = asyncio.run(main())
+    checked, waited, refused, shutting, stopped = asyncio.run(main())
     assert checked.prompt_token_ids == [1, 2] and 0.15 < waited < 5
     assert (refused.code, refused.message) == (
-        grpc.StatusCode.UNAVAILABLE, "this API server is starting: its engine core and worker are not reachable yet")
+        grpc.StatusCode.UNAVAILABLE, "this API server is starting: its engine core is not reachable yet")
+    assert (shutting.code, shutting.message) == (grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+    assert stopped < 5

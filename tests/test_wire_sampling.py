@@ -97,3 +97,7 @@ def test_temperatures_too_small_for_the_sampler_are_greedy():
         assert wire.sampling_from_pb(msg).is_greedy
     assert SamplingParams(temperature=GREEDY_BELOW).temperature == GREEDY_BELOW
     assert not SamplingParams(temperature=0.7).is_greedy
+    # a value at the threshold and its 32-bit rounding (what the core decodes) land on one side
+    for t in (GREEDY_BELOW, 1.00000001e-05, 9.9999e-06):
+        sent = SamplingParams(temperature=t)
+        assert wire.sampling_from_pb(wire.sampling_to_pb(sent)).is_greedy == sent.is_greedy, t

@@ -197,6 +197,7 @@ class CoreLink:
         for request_id in list(self.pending):
             self.abort(request_id)
         failure = Failure(code, message)
+        self.begin_dispatch()  # what it puts on the streams waits from now
         for outbox in outboxes:
             outbox.put_nowait(failure)
         self.flush()
@@ -425,6 +426,7 @@ class CoreLink:
             outbox.lag()
         self._undelivered.clear()
         failure = Failure(grpc.StatusCode.UNAVAILABLE, message)
+        self.begin_dispatch()
         for outbox in {p.outbox: None for p in pending.values()}:  # one a request: its samples share it
             outbox.put_nowait(failure)
         waiters, self._abort_waiters = self._abort_waiters, {}

@@ -47,6 +47,7 @@ from scheduler_svc.api.request import (
     encode_prompt,
     not_serving_reason,
     submit_request,
+    wait_until_started,
 )
 
 log = logging.getLogger("pagewire.http")
@@ -192,6 +193,10 @@ class OpenAIDoor:
         api = self.api
         try:
             parsed = parse(await _json(request), chat=chat)
+            try:
+                await wait_until_started(api)  # a server restarted beside others: its core a moment later
+            except RequestError as e:
+                raise OpenAIError.from_grpc(e.code, e.message) from None
             self._named_model({"model": parsed.model})
         except OpenAIError:
             api.reject()

@@ -27,6 +27,8 @@ from pagewire_common.sampling import SamplingParams
 
 # how long after its start an API server that has not reached its core yet holds a request for it
 STARTING_WAIT_S = 10.0
+# with several cores, a request that meets these before it produced anything goes to another core
+PASSED_ON = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 
 class ApiServer(Protocol):
@@ -179,8 +181,8 @@ class ApiRequest:
                 else:  # refused before it started (no room, a full queue, a duplicate id): not a finished request
                     self.finished = self.refused = True
                     server = getattr(self.api, "server", None)
-                    if last.code == grpc.StatusCode.RESOURCE_EXHAUSTED and server is not None and server.num_cores > 1:
-                        self.api.reject()  # the cores that refused it for room left it to be counted here, once
+                    if last.code in PASSED_ON and server is not None and server.num_cores > 1:
+                        self.api.reject()  # the cores that refused or lost it left it to be counted here, once
                 raise RequestError(last.code, last.message)
             self._observe(items)
             self.num_unfinished -= sum(it.finished for it in items)
@@ -327,17 +329,7 @@ def submit_request(api: ApiServer, checked: CheckedRequest) -> ApiRequest:
 
 async def _check(api, request_id, sampling, sampling_error, prompt, ids, messages, chat_options, model_name,
                  fill_max_tokens) -> CheckedRequest:
-    if api.draining:
-        raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-    if not api.was_connected:
-        # an API server restarted beside others on one port takes clients at once (SO_REUSEPORT)
-        # and reaches its core a moment later: a request then waits for that, not refused
-        left = STARTING_WAIT_S - (time.monotonic() - api.started_at)
-        if left > 0:
-            try:
-                await asyncio.wait_for(api.connected.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+    await wait_until_started(api)
     model = served_model(api, model_name)
     info = model.info
     given = sum(x is not None for x in (prompt, ids, messages))
@@ -364,10 +356,28 @@ async def _check(api, request_id, sampling, sampling_error, prompt, ids, message
     return CheckedRequest(request_id or uuid.uuid4().hex, list(ids), sampling)
 
 
+async def wait_until_started(api: ApiServer) -> None:
+    """An API server restarted beside others on one port takes clients at once (SO_REUSEPORT) and
+    reaches its core a moment later: a request that comes meanwhile waits for that (up to
+    ``STARTING_WAIT_S`` from the server's start) rather than being refused. ``RequestError`` once
+    the server is shutting down, before or during the wait."""
+    while not api.was_connected and not api.draining:
+        left = STARTING_WAIT_S - (time.monotonic() - api.started_at)
+        if left <= 0:
+            break
+        try:  # a short wait at a time: a drain ends it too
+            await asyncio.wait_for(api.connected.wait(), min(left, 0.05))
+        except asyncio.TimeoutError:
+            pass
+    if api.draining:
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+
+
 def not_serving_reason(api: ApiServer) -> str:
     """Why the API server takes no requests now (its UNAVAILABLE or 503 message)."""
     if not api.was_connected:
-        return "this API server is starting: its engine core and worker are not reachable yet"
+        return ("this API server is starting: its engine core is up, its worker not yet" if api.core_connected
+                else "this API server is starting: its engine core is not reachable yet")
     return "the worker is not connected" if api.core_connected else "the scheduler core is not connected"
 
 

@@ -34,7 +34,7 @@ from pagewire_common.v1 import generation_pb2 as pb
 from scheduler_svc.api.auth import ApiKeyInterceptor
 from scheduler_svc.api.core_link import CoreLink
 from scheduler_svc.api.kv_events import KVEventHub
-from scheduler_svc.api.request import ApiRequest, Failure, NotReadyError, RequestError, open_request
+from scheduler_svc.api.request import PASSED_ON, ApiRequest, Failure, NotReadyError, RequestError, open_request
 from scheduler_svc.api.request_decoding import DecodeErrorInterceptor
 from scheduler_svc.api.router import NoCoreError, Router
 from scheduler_svc.api.tokenize import detokenize, tokenize
@@ -232,7 +232,7 @@ class ApiServer:
         """Another core for a request that its core refused for want of room (each API server sees
         the others' load a poll late) or lost before it produced anything, or None: one core, a
         server shutting down, another failure, or no core left that has not refused or lost it."""
-        if self.num_cores == 1 or self.draining or failure.code not in _REROUTED:
+        if self.num_cores == 1 or self.draining or failure.code not in PASSED_ON:
             return None
         request.tried_cores.add(request.api.index)
         try:
@@ -306,9 +306,6 @@ def split_core_addresses(text: str) -> list[str]:
         raise ValueError(f"engine core address {twice!r} is given twice in {text!r}")
     return addresses
 
-
-# a request that met these before it produced anything goes to another core (``reroute``)
-_REROUTED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 # what every core of one served model must share: requests are checked against these before any
 # core is chosen, and routed by prompt blocks of that size

@@ -276,12 +276,14 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             self.num_rejected += 1
             client.error(request_id, grpc.StatusCode.INVALID_ARGUMENT, add.message)
             return
+        # a passable add's API server may offer it to another core: a refusal that sends it there
+        # (no worker, shutting down, no room) is counted by the API server, once, if none takes it
         if engine is None or not self.connected.is_set():
-            self.num_rejected += 1
+            self.num_rejected += not add.passable
             client.error(request_id, grpc.StatusCode.UNAVAILABLE, "the worker is not connected")
             return
         if self.draining:
-            self.num_rejected += 1
+            self.num_rejected += not add.passable
             client.error(request_id, grpc.StatusCode.UNAVAILABLE, "the engine core is shutting down")
             return
         n = add.sampling.n
@@ -307,8 +309,7 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
             return
         refusal = self._queue_refusal(engine, n)
         if refusal is not None:
-            if not add.passable:  # else its API server counts it, if no other core takes it
-                self.num_rejected += 1
+            self.num_rejected += not add.passable
             client.error(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
             return
         engine.add_request(request_id, token_ids, add.sampling, validated=True)
