@@ -308,41 +308,6 @@ def test_worker_death_gives_unavailable_then_recovers(model_dir, offline, tmp_pa
         worker.stop()
 
 
-def test_serve_started_in_a_folder_with_a_module_named_like_the_standard_library_s(model_dir, tmp_path):
-    """`pagewire serve` run where the user keeps a queue.py: its processes import Python's own
-    queue, not the user's (the children run without the current folder on their import path)."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    script = shutil.which("pagewire", path=os.path.dirname(sys.executable))
-    if script is None:
-        pytest.fail("the pagewire console script is not installed beside this interpreter (pip install -e .)")
-    here = tmp_path / "work"
-    here.mkdir()
-    (here / "queue.py").write_text("raise RuntimeError('the user\\'s queue.py was imported')\n")
-    addr = f"127.0.0.1:{free_port()}"
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([script, "serve", "--model", str(model_dir), "--listen", addr, "--http-listen", "off",
-                             "--num-kv-blocks", "100"], cwd=here, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        wait_until(lambda: "pagewire ready" in (tmp_path / "serve.log").read_text() or proc.poll() is not None,
-                   timeout=90)
-        out = (tmp_path / "serve.log").read_text()
-        assert "pagewire ready" in out and "queue.py was imported" not in out, out
-        ids, text, _ = collect(stub(addr).Generate(pb.GenerateRequest(prompt="The river ", sampling=sampling(max_tokens=4))))
-        assert ids and text
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-
-
 def test_serve_answers_and_stops_cleanly_on_sigterm(model_dir, tmp_path):
     port = free_port()
     serve = Proc(["serve", "--model", str(model_dir), "--listen", f"127.0.0.1:{port}", "--num-kv-blocks", "100"], tmp_path / "serve.log")
@@ -590,26 +555,3 @@ def test_subscribe_kv_events_sees_a_generates_blocks_stored_as_one_chain(service
     for before, after in zip(mine, mine[1:]):  # each event's parent is the last hash of the one before
         assert after.parent_block_hash == before.block_hashes[-1]
     assert all(e.block_size == 4 and len(e.token_ids) == 4 * len(e.block_hashes) for e in mine)
-
-
-def test_a_run_folder_written_into_while_it_is_removed_is_removed_all_the_same(tmp_path, monkeypatch):
-    """A child that outlives serve removes serve's temp folder while a sibling, still starting,
-    adds a file to it: the removal goes on until the folder is gone."""
-    import shutil
-
-    from pagewire_common import supervisor
-
-    run_dir = tmp_path / "pagewire-run"
-    (run_dir / "metrics").mkdir(parents=True)
-    real_rmtree, calls = shutil.rmtree, []
-
-    def racing_rmtree(path, ignore_errors=False):
-        calls.append(path)
-        real_rmtree(path, ignore_errors=ignore_errors)
-        if len(calls) == 1:  # a sibling writes its first file just behind it
-            (run_dir / "metrics").mkdir(parents=True)
-            (run_dir / "metrics" / "counter_1234.db").write_bytes(b"x")
-
-    monkeypatch.setattr(supervisor.shutil, "rmtree", racing_rmtree)
-    supervisor.remove_run_dir(str(run_dir))
-    assert not run_dir.exists() and len(calls) == 2
