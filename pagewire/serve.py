@@ -43,8 +43,6 @@ from scheduler_svc.core.main import api_server_argv
 log = logging.getLogger("pagewire.serve")
 
 
-
-
 def serve(settings: Settings, listen: str, log_level: str = "info") -> int:
     from pagewire_common.tls import TlsFiles
 
@@ -137,10 +135,11 @@ async def _serve_data_parallel(settings: Settings, listen: str, log_level: str, 
     local_cores = []
     for i, worker in enumerate(workers):
         worker_addr, core_addr = f"unix:{run_dir}/worker{i}.sock", f"unix:{run_dir}/core{i}.sock"
-        supervisor.start(f"worker {i}", cli_argv(log_level, "worker", "--listen", worker_addr, *worker.to_argv((WORKER,))))
+        supervisor.start(f"worker {i}", cli_argv(log_level, "worker", "--listen", worker_addr,
+                                                 *worker.to_argv((WORKER,))))
         supervisor.start(f"engine core {i}", _core_argv(log_level, worker_addr, core_addr, settings))
         local_cores.append(core_addr)
-    remote_cores = [a.strip() for a in settings.data_parallel_cores.split(",")] if settings.data_parallel_cores else []
+    remote_cores = split_core_addresses(settings.data_parallel_cores) if settings.data_parallel_cores else []
     cores = ",".join(local_cores + remote_cores)
     for j in range(settings.api_servers):
         # serve's own cores say which model is served; one elsewhere serving another is refused
@@ -181,7 +180,7 @@ def _supervision(run_dir: str, env: dict[str, str] | None = None) -> tuple[async
 
 def _core_argv(log_level: str, worker_addr: str, core_addr: str, settings: Settings) -> list[str]:
     return cli_argv(log_level, "scheduler", "--worker", worker_addr, "--core-only", "--core-listen", core_addr,
-                "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((CORE,)))
+                    "--shutdown-timeout", str(settings.shutdown_timeout), *settings.to_argv((CORE,)))
 
 
 async def _serve_core(settings: Settings, listen: str, log_level: str, run_dir: str) -> int:
@@ -210,7 +209,7 @@ async def _serve(settings: Settings, listen: str, log_level: str, run_dir: str) 
     stop, failed, supervisor = _supervision(run_dir, {**os.environ, **settings.to_env((PUBLIC,))})
     supervisor.start("worker", cli_argv(log_level, "worker", "--listen", worker_addr, *settings.to_argv((WORKER,))))
     supervisor.start("scheduler", cli_argv(log_level, "scheduler", "--worker", worker_addr, "--listen", listen,
-                                       "--core-listen", core_addr, *settings.to_argv((CORE, API, PROCESS, PUBLIC))))
+                                           "--core-listen", core_addr, *settings.to_argv((CORE, API, PROCESS, PUBLIC))))
     watcher = asyncio.get_running_loop().create_task(supervisor.watch())
     try:
         model_name = await _wait_ready(core_addr, settings.api_servers, stop)

@@ -92,10 +92,10 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _remove_if_orphaned(run_dir: str, parent: int, tries: int = 5) -> None:
+def _remove_if_orphaned(run_dir: str, parent: int) -> None:
     # the kernel hands an orphan to another parent before it delivers the parent-death signal
     if os.getppid() != parent:
-        remove_run_dir(run_dir, tries)
+        remove_run_dir(run_dir)
 
 
 def remove_run_dir(run_dir: str, tries: int = 5) -> None:

@@ -325,11 +325,11 @@ class CoreService(core_pb2_grpc.SchedulerCoreServicer):
         ``--max-queued-requests N`` lets N requests wait for room in the batch: the waiting ones
         that fill the batch's free places (``max_num_seqs`` less the running sequences) start at
         the next step and are not queued, so requests that arrive together at an idle engine are
-        not refused for one another (a waiting request counts as one place, whatever its ``n``: with
-        several samples a request the queue's room takes may still wait). With 0 there is no queue: a request is taken only when it
-        can start at the next step, that is when its samples fit in the batch beside the running
-        sequences and those already waiting, which under 0 are the ones taken since the last
-        step (or preempted: they start again first)."""
+        not refused for one another (a waiting request counts as one place, whatever its ``n``:
+        with several samples a request the queue's room takes may still wait). With 0 there is no
+        queue: a request is taken only when it can start at the next step, that is when its
+        samples fit in the batch beside the running sequences and those already waiting, which
+        under 0 are the ones taken since the last step (or preempted: they start again first)."""
         scheduler, config = engine.scheduler, engine.config
         limit = config.max_queued_requests
         if limit == 0:
