@@ -37,7 +37,7 @@ from worker_svc.cpu import build, features
 log = logging.getLogger("pagewire.worker")
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "linear.c"
-_ABI = 4
+_ABI = 5
 _PANEL = 16  # output columns per packed panel (csrc/linear.c)
 _PAIR_STEP = 16  # a bf16-pair panel holds a multiple of this many pairs (an AMX tile's worth)
 KERNEL_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -84,6 +84,20 @@ class LinearKernel:
         # the same layout on AMX tiles: built for a CPU with AMX-BF16 and the tiles granted by Linux;
         # when set, linear_pairs multiplies on the tiles
         self.pairs_amx = bool(lib.linear_pairs_amx())
+        self._tiles_from = lib.linear_pairs_tiles_from
+        self._tiles_from.restype = i64
+        self._tiles_from.argtypes = [i64]
+
+    @property
+    def tiles_from(self) -> int:
+        """Rows from which :meth:`linear_pairs` multiplies on AMX tiles where :attr:`pairs_amx`;
+        fewer go through the dot products, whose sums round otherwise."""
+        return int(self._tiles_from(0))
+
+    def tiles_for_every_row(self, every: bool) -> None:
+        """Every pair call on the tiles (where :attr:`pairs_amx`; ``--deterministic``: a row's bits
+        then never depend on its batch), or the kernel's default split back."""
+        self._tiles_from(1 if every else -1)
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """weight [N, K] (cast to ``dtype``, fp32 or bf16) -> the kernel's layout: [ceil(N / 16), K, 16]."""

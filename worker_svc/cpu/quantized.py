@@ -39,7 +39,7 @@ from worker_svc.cpu import build
 log = logging.getLogger("pagewire.worker")
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "quant.c"
-_ABI = 3
+_ABI = 4
 GROUP = 32  # output columns of a packed group (csrc/quant.c)
 QK = 32  # weights of a block
 
@@ -169,12 +169,28 @@ class QuantKernel:
         self._linear_bf16.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
         # bf16 activations on AVX-512 BF16 dot products (else a portable loop, for tests)
         self.bf16_simd = bool(lib.quant_bf16_simd())
+        # bf16 activations of calls with `tiles_from` rows or more on AMX tiles (csrc/quant.c)
+        self.bf16_amx = bool(lib.quant_bf16_amx())
+        self._tiles_from = lib.quant_bf16_tiles_from
+        self._tiles_from.restype = ctypes.c_int64
+        self._tiles_from.argtypes = [i64]
         self._linear_i8 = lib.quant_linear_i8
         self._linear_i8.restype = None
         self._linear_i8.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
         # int8 activations: 2 on AVX-512 VNNI dot products, 1 on AVX2 integer products, 0 for a
         # portable loop (all three compute the same bits)
         self.i8_simd = int(lib.quant_i8_simd())
+
+    @property
+    def tiles_from(self) -> int:
+        """Rows from which a bf16 call multiplies on AMX tiles where :attr:`bf16_amx`; fewer go
+        through the dot products, whose sums round otherwise."""
+        return int(self._tiles_from(0))
+
+    def tiles_for_every_row(self, every: bool) -> None:
+        """Every bf16 call on the tiles (where :attr:`bf16_amx`; ``--deterministic``: a row's bits
+        then never depend on its batch), or the kernel's default split back."""
+        self._tiles_from(1 if every else -1)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -453,7 +469,9 @@ def compute_quantized_model(model: nn.Module, dtype: torch.dtype, *,
         for module in model.modules():
             if isinstance(module, QuantLinear):
                 module.compute_dtype = torch.bfloat16
-        return torch.bfloat16, f"quantized {'/'.join(types)} weights, bf16 arithmetic (C kernel, AVX-512 BF16 dot products, {isa})"
+        tiles = " and AMX tiles" if lib.bf16_amx else ""
+        return torch.bfloat16, (f"quantized {'/'.join(types)} weights, bf16 arithmetic (C kernel, AVX-512 BF16 dot "
+                                f"products{tiles}, {isa})")
     rest_in_fp32(model, keep=(QuantLinear, QuantEmbedding))
     where = "no C compiler: dequantized per call" if lib is None else (
         f"C kernel, {lib.simd}-bit vectors, {isa}" if lib.simd else "C kernel, portable build")

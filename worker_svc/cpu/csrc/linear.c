@@ -502,15 +502,27 @@ int linear_pairs_amx(void) {
 #endif
 }
 
-/* As linear_bf16_pairs, on AMX tiles where linear_pairs_amx() says so and x has more than
- * AMX_MIN_ROWS rows (else the same as it). One or two rows leave most of each 16-row tile empty:
+/* As linear_bf16_pairs, on AMX tiles where linear_pairs_amx() says so and x has at least
+ * tiles_from rows (else the same as it). One or two rows leave most of each 16-row tile empty:
  * there the dot products stream the weights faster (a pass over SmolLM2's linears, 1 row: 9.9
- * against 11.3 ms on the tiles; 2 rows: 10.8 against 11.3; 3 rows: 11.9 against 11.4). */
-#define AMX_MIN_ROWS 2
+ * against 11.3 ms on the tiles; 2 rows: 10.8 against 11.3; 3 rows: 11.9 against 11.4). The two
+ * paths sum in another order, so a row's bits depend on which one its batch took; tiles_from 1
+ * (linear_pairs_tiles_from) puts every call on the tiles. */
+#define TILES_FROM 3
+static int64_t tiles_from = TILES_FROM;
+
+/* Sets the rows from which calls go on the tiles (rows >= 1), or restores the default (rows < 0);
+ * returns the rows now in force (rows == 0: only that). */
+int64_t linear_pairs_tiles_from(int64_t rows) {
+    if (rows > 0) tiles_from = rows;
+    else if (rows < 0) tiles_from = TILES_FROM;
+    return tiles_from;
+}
+
 void linear_bf16_pairs_amx(const uint16_t *x, int64_t x_stride, const uint32_t *packed, const float *bias,
                            uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
 #if HAVE_AMX
-    if (linear_pairs_amx() && k > 0 && m > AMX_MIN_ROWS) {
+    if (linear_pairs_amx() && k > 0 && m >= tiles_from) {
         linear_pairs_on_tiles(x, x_stride, packed, bias, y, y_stride, m, n, k);
         return;
     }
@@ -525,4 +537,4 @@ int linear_simd(void) { return HAVE_AVX2; }
 int linear_pairs_simd(void) { return HAVE_AVX512BF16; }
 
 /* The ABI version worker_svc/cpu/linear.py expects; bump it when a signature changes. */
-int pagewire_cpu_linear_abi(void) { return 4; }
+int pagewire_cpu_linear_abi(void) { return 5; }
