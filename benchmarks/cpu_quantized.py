@@ -4,8 +4,9 @@
     weights of its own, far past the caches) at 1 row (one stream's decode step) and more: Q4_1
     linears with a Q8_0 head (the embedded file's types) and all Q8_0 (``--quantization int8``),
     each with fp32 activations, activations rounded to int8 (``--int8-activations``) and (where
-    the CPU has AVX-512 BF16) bf16 ones, the dense kernel's bf16 pairs (there too) and fp32 packed
-    for oneDNN; µs and the GB/s of weights read;
+    the CPU has AVX-512 BF16) bf16 ones (on AMX also each of its two paths alone: every call on the
+    dot products, every call on the tiles), the dense kernel's bf16 pairs (there too) and fp32
+    packed for oneDNN; µs and the GB/s of weights read;
   * offline one-stream decode of the embedded model, ``pagewire.LLM``, one prompt, 128 greedy new
     tokens: served from its GGUF blocks (``--dtype auto``, and fp32) against its dequantized copy
     in bf16 and fp32, in alternating rounds; tok/s of the whole ``generate`` (its 6-token prefill
@@ -55,6 +56,16 @@ PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def
            "Explain photosynthesis to a child.", "List three uses of a paperclip."]
 
 
+def on_tiles_from(lib, rows: int, mats: list, xb: dict) -> None:
+    """One pass of bf16 calls with the kernel's AMX tiles taking calls of ``rows`` rows or more."""
+    lib.tiles_from = rows
+    try:
+        for p, t, n, k in mats:
+            lib.linear_bf16(xb[k], p, t, n, None)
+    finally:
+        lib.tiles_for_every_row(False)
+
+
 def linear_pass(rows: int, repeats: int) -> dict:
     """µs per model pass and GB/s of weights, per layout, alternated over two rounds."""
     torch.manual_seed(0)
@@ -83,6 +94,9 @@ def linear_pass(rows: int, repeats: int) -> dict:
         if native_bf16:
             cases[f"{name} bf16"] = (lambda mats=mats: [lib.linear_bf16(xb[k], p, t, n, None) for p, t, n, k in mats],
                                      nbytes)
+        if native_bf16 and lib.bf16_amx:  # each path alone: every call on the dot products, every call on the tiles
+            cases[f"{name} bf16 dot products"] = (lambda mats=mats: on_tiles_from(lib, 1 << 62, mats, xb), nbytes)
+            cases[f"{name} bf16 tiles"] = (lambda mats=mats: on_tiles_from(lib, 1, mats, xb), nbytes)
     kern = linear_kernel()
     if kern is not None and "avx512_bf16" in cpu_info().flags:
         packs = [(kern.pack_pairs(torch.randn(n, k).bfloat16()), n, k) for n, k in shapes]

@@ -187,9 +187,10 @@ def tiles_restored(bf16_lib):
 
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
 def test_every_row_on_the_tiles_is_batch_invariant_and_exact(tiles_restored, btype, qtype):
-    """``--deterministic``'s split: every call on AMX tiles where the CPU has them (elsewhere the
-    dot products, invariant already), so a row alone gets the bits it gets among 300 (19 tiles of
-    16 rows in chunks of 8, the last odd), and every path stays within rounding of the exact sum."""
+    """Every call on AMX tiles where the CPU has them (the default, and what ``--deterministic``
+    asks; elsewhere the dot products, invariant already): a row alone, read in place by a tile of
+    fewer rows, gets the bits it gets among 300 (copied, 19 tiles of 16 rows in chunks of 8, the
+    last odd), and every path stays within rounding of the exact sum."""
     lib = tiles_restored
     n, k = 40, 4096  # 8 KiB rows: a chunk of x holds 8 tiles of rows
     torch.manual_seed(3)
@@ -207,10 +208,12 @@ def test_every_row_on_the_tiles_is_batch_invariant_and_exact(tiles_restored, bty
     for r in (0, 1, 150, 299):
         assert torch.equal(lib.linear_bf16(x[r : r + 1], packed, btype, n, bias)[0], y[r])
     lib.tiles_for_every_row(False)
-    assert lib.tiles_from == 3  # csrc/quant.c's default: calls of one or two rows on the dot products
+    assert lib.tiles_from == 1  # csrc/quant.c's default: every call on the tiles too
+    assert torch.equal(lib.linear_bf16(x[:1], packed, btype, n, bias), y[:1])
+    lib.tiles_from = 3  # calls of one or two rows on the dot products
     alone = torch.cat([lib.linear_bf16(x[r : r + 1], packed, btype, n, bias) for r in range(64)])
     torch.testing.assert_close(alone.float(), reference[:64], atol=1e-3 * k**0.5, rtol=2**-7)
-    assert torch.equal(lib.linear_bf16(x[:3], packed, btype, n, bias), y[:3])  # 3 rows: the same path
+    assert torch.equal(lib.linear_bf16(x[:3], packed, btype, n, bias), y[:3])  # 3 rows: the tiles
     if lib.bf16_amx:  # the paths round apart now and then (2 to 5 in 10^5 outputs): the setting matters
         n, k = 1536, 576
         packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
@@ -230,12 +233,14 @@ def test_deterministic_puts_every_bf16_linear_call_on_the_tiles(tiles_restored, 
     model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=True, types=MIXED)
     prompt = sample_prompts(source, n=1, lengths=(9,))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    tiles_restored.tiles_from = 3
     with LLM(model_dir, dtype="bfloat16", deterministic=True) as llm:
         llm.generate(prompt, params)
         assert tiles_restored.tiles_from == 1 and (dense is None or dense.tiles_from == 1)
+    tiles_restored.tiles_from = 3
     with LLM(model_dir, dtype="bfloat16") as llm:
         llm.generate(prompt, params)
-        assert tiles_restored.tiles_from == 3 and (dense is None or dense.tiles_from == 3)
+        assert tiles_restored.tiles_from == 1 and (dense is None or dense.tiles_from == 3)
 
 
 def test_int8_quantization_round_trips_within_half_a_step(lib):
@@ -380,11 +385,15 @@ def test_tiny_gguf_served_from_its_blocks_in_bf16_equals_its_bf16_dequantization
     source = tiny_model_dir("llama-gqa")
     model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=tied, types=MIXED)
     prompts = sample_prompts(source, n=4, lengths=(1, 9, 33, 77))
+    # on AMX the quantized linears take the tiles at every size, the dense ones only from 3 rows
+    # unless --deterministic puts them there too
+    amx = {"deterministic": True} if bf16_lib.bf16_amx else {}
     with caplog.at_level("INFO", logger="pagewire.worker"):
-        quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized")
+        quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized", **amx)
     assert "bf16 arithmetic (C kernel, AVX-512 BF16 dot products" in caplog.text
-    # the same bf16 weights, embedding rows and sums (csrc/linear.c's order): the same tokens
-    assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize")
+    # the same bf16 weights, embedding rows and sums (csrc/linear.c's order, or the same tiles): the
+    # same tokens
+    assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize", **amx)
 
 
 def test_bf16_model_computes_in_fp32_without_avx512_bf16(lib, tiny_model_dir, tmp_path, monkeypatch):

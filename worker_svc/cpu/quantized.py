@@ -13,6 +13,8 @@ dequantizes each weight to fp32 in registers (bit for bit the dequantized model'
   the dequantized weight) and multiplied by ``vdpbf16ps`` dot products, fp32 sums in the order of
   ``csrc/linear.c``'s bf16 kernel, output bf16: where that kernel serves the dense bf16 model made
   from the same file (AVX-512 BF16 without AMX), the quantized model computes its bits exactly.
+  On CPUs with AMX every call multiplies the same bf16 weights on the tiles (tdpbf16ps), a few
+  outputs in 10^5 rounded otherwise than the dot products would.
   Elsewhere a bf16 model computes in fp32 (:func:`compute_quantized_model`).
 
 :class:`QuantLinear` replaces an ``nn.Linear`` (one or several packed parts, their outputs side by
@@ -169,7 +171,7 @@ class QuantKernel:
         self._linear_bf16.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
         # bf16 activations on AVX-512 BF16 dot products (else a portable loop, for tests)
         self.bf16_simd = bool(lib.quant_bf16_simd())
-        # bf16 activations of calls with `tiles_from` rows or more on AMX tiles (csrc/quant.c)
+        # bf16 activations on AMX tiles, for calls of `tiles_from` rows or more (csrc/quant.c)
         self.bf16_amx = bool(lib.quant_bf16_amx())
         self._tiles_from = lib.quant_bf16_tiles_from
         self._tiles_from.restype = ctypes.c_int64
@@ -183,9 +185,15 @@ class QuantKernel:
 
     @property
     def tiles_from(self) -> int:
-        """Rows from which a bf16 call multiplies on AMX tiles where :attr:`bf16_amx`; fewer go
-        through the dot products, whose sums round otherwise."""
+        """Rows from which a bf16 call multiplies on AMX tiles where :attr:`bf16_amx` (by default
+        1: every call); fewer go through the dot products, whose sums round otherwise."""
         return int(self._tiles_from(0))
+
+    @tiles_from.setter
+    def tiles_from(self, rows: int) -> None:
+        if rows < 1:
+            raise ValueError(f"tiles_from must be at least 1 row, got {rows}")
+        self._tiles_from(rows)
 
     def tiles_for_every_row(self, every: bool) -> None:
         """Every bf16 call on the tiles (where :attr:`bf16_amx`; ``--deterministic``: a row's bits

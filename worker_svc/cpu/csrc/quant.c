@@ -373,8 +373,9 @@ static inline __attribute__((always_inline)) __m512i tile_pair(const int type, c
         w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(VI_S8(qs + (2 * t + 1) * GROUP + v * 16)), d);
     } else {
         const __m512i q = VI_U8(qs + t * GROUP + v * 16);
-        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(VI_LOW(q)), d, m);
-        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(VI_HIGH(q)), d, m);
+        const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, values), d, m);
+        w1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values), d, m);
     }
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
 }
@@ -539,13 +540,18 @@ static uint32_t *pairs_buffer(int64_t words) {
 
 /* ---- bf16 activations on AMX tiles ----
  *
- * Where the CPU has AMX-BF16 and Linux grants the tiles' state, rows of x go through tdpbf16ps:
- * a group's pairs (the buffer above, [kp][32]: pair row t, column j) are two B tiles side by side
- * per 16 pairs (columns 0..15 and 16..31, rows 128 bytes apart), and 16 rows of x (copied into
- * zero-padded rows) an A tile. The 8 tiles hold a 2 x 2 block: C 0..3 for 32 rows x the group's 32
- * columns, A 4 and 5, B 6 and 7. A tile's sums differ from the dot products' (one accumulator per
- * output, its own order of adding a pair's two products), so a row's bits depend on which path it
- * took: on_tiles_from (rows) decides, and each output is the same whatever the other rows. */
+ * Where the CPU has AMX-BF16 and Linux grants the tiles' state, rows of x go through tdpbf16ps,
+ * each group's pairs (as in the buffer above, [kp][32]: pair row t, column j) two B tiles side by
+ * side per 16 pairs (columns 0..15 and 16..31, rows 128 bytes apart):
+ * - up to 16 rows (decode): x read in place as one A tile configured for m rows, each 32-input
+ *   tile of the group made into pairs (2 KiB, L1) just before the tiles multiply it;
+ * - more rows: x copied into zero-padded rows of whole 16-row A tiles, a group's pairs made once
+ *   into the buffer, the 8 tiles a 2 x 2 block: C 0..3 for 32 rows x the group's 32 columns, A 4
+ *   and 5, B 6 and 7.
+ * Each output starts from zero and takes the same B tiles in the same order on both, so its bits do
+ * not depend on the other rows. A tile's sums differ from the dot products' (one accumulator per
+ * output, its own way of adding a pair's two products), so where calls of few rows take the dot
+ * products (on_tiles_from), a row's bits depend on its batch. */
 #if defined(__x86_64__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_QAMX 1
 #include <sys/syscall.h>
@@ -597,6 +603,90 @@ static void qamx_block(const char *xp, int64_t xp_stride, const uint32_t *buf, i
     if (two_rows) {
         _tile_stored(2, c + 2 * TILE_ROWS * 16, 64);
         _tile_stored(3, c + 3 * TILE_ROWS * 16, 64);
+    }
+}
+
+/* Rows (1..16) in A and C tiles, B tiles 16 rows; every tile 64 bytes a row. */
+static void qamx_configure_rows(int rows) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t >= 6 ? TILE_ROWS : (uint8_t)rows;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Up to 16 rows of x, read in place (rows xs_bytes apart; the tiles configured for m rows), times
+ * one group: each of its tiles made into bf16 pairs (two B tiles, 2 KiB, in one of two buffers
+ * taken in turn, in L1) just before the tiles multiply it, so no row is copied and no pair leaves
+ * L1. The same B tiles in the same order as quant_bf16_on_tiles: the same bits. */
+static inline __attribute__((always_inline)) void qamx_group_few(
+    const int type, const char *x, int64_t xs_bytes, const uint8_t *tiles, int64_t nb, int64_t m, uint16_t *y,
+    int64_t y_stride, const float *bias, int64_t col, int64_t cols, uint32_t *bufs, float *c) {
+    const int64_t tb = tile_bytes(type);
+    const __m512i interleave = pair_interleave();
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
+        uint32_t *buf = bufs + (b & 1) * (TILE_PAIRS * GROUP);
+        __m512 d0, m0, d1, m1;
+        tile_scales(type, tile, 0, &d0, &m0);
+        tile_scales(type, tile, 1, &d1, &m1);
+#pragma GCC unroll 4
+        for (int t = 0; t < TILE_PAIRS; t++) {
+            _mm512_store_si512(buf + t * GROUP, tile_pair(type, qs, t, 0, d0, m0, interleave));
+            _mm512_store_si512(buf + t * GROUP + 16, tile_pair(type, qs, t, 1, d1, m1, interleave));
+        }
+        _tile_loadd(4, x + b * QK * 2, xs_bytes);
+        _tile_loadd(6, buf, GROUP * 4);
+        _tile_loadd(7, buf + 16, GROUP * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + TILE_ROWS * 16, 64);
+    for (int side = 0; side < 2; side++) {
+        const int64_t count = cols - 16 * side;
+        if (count <= 0) break;
+        const __mmask16 valid = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1);
+        const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + col + 16 * side) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < m; r++) {
+            __m512 sum = _mm512_load_ps(c + side * TILE_ROWS * 16 + r * 16);
+            if (bias) sum = _mm512_add_ps(sum, add);
+            _mm256_mask_storeu_epi16(y + r * y_stride + col + 16 * side, valid, (__m256i)_mm512_cvtneps_pbh(sum));
+        }
+    }
+}
+
+/* quant_linear_bf16 on the tiles for m <= 16 rows (x rows read in place). */
+static void quant_bf16_few_on_tiles(int type, const uint16_t *x, int64_t x_stride, const uint8_t *packed,
+                                    const float *bias, uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t nb = k / QK, groups = (n + GROUP - 1) / GROUP, group_bytes = nb * tile_bytes(type);
+    #pragma omp parallel
+    {
+        uint32_t bufs[2 * TILE_PAIRS * GROUP] __attribute__((aligned(64)));
+        float c[2 * TILE_ROWS * 16] __attribute__((aligned(64)));
+        qamx_configure_rows((int)m);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
+            const uint8_t *tiles = packed + g * group_bytes;
+            const char *xb = (const char *)x;
+            const int64_t xs = 2 * x_stride;
+            switch (type) {
+            case Q4_0: qamx_group_few(Q4_0, xb, xs, tiles, nb, m, y, y_stride, bias, col, cols, bufs, c); break;
+            case Q4_1: qamx_group_few(Q4_1, xb, xs, tiles, nb, m, y, y_stride, bias, col, cols, bufs, c); break;
+            default: qamx_group_few(Q8_0, xb, xs, tiles, nb, m, y, y_stride, bias, col, cols, bufs, c); break;
+            }
+        }
+        _tile_release();
     }
 }
 
@@ -673,11 +763,12 @@ static int quant_bf16_on_tiles(int type, const uint16_t *x, int64_t x_stride, co
 #define HAVE_QAMX 0
 #endif
 
-/* Rows from which quant_linear_bf16 multiplies on AMX tiles (where granted); fewer rows go through
- * the dot products, faster there (a pass through SmolLM2's linears on Emerald Rapids, two threads:
- * 1 row 1.26x the dot products' time on the tiles, 2 rows 0.99x, 4 rows 0.81x, 32 rows 0.31x).
- * 1 (quant_bf16_tiles_from) puts every call on the tiles, so a row's bits never depend on its batch. */
-#define TILES_FROM 3
+/* Rows from which quant_linear_bf16 multiplies on AMX tiles (where granted); fewer rows would go
+ * through the dot products. From one row by default: a row's bits then never depend on its batch,
+ * and the tiles cost about what the dot products do at one or two rows (a pass through SmolLM2's
+ * linears on Emerald Rapids, two threads: 1 row 0.94-1.12x the dot products' time, 2 rows 0.88-1.02x,
+ * 4 rows 0.69x, 32 rows 0.25x). quant_bf16_tiles_from changes it (benchmarks/cpu_quantized.py). */
+#define TILES_FROM 1
 static int64_t on_tiles_from = TILES_FROM;
 
 /* 1 when quant_linear_bf16 may multiply on AMX tiles: built for a CPU with AMX-BF16 and Linux
@@ -720,9 +811,13 @@ void quant_linear_bf16(int type, const uint16_t *x, int64_t x_stride, const uint
     void (*direct)(const uint32_t *, int64_t, const uint8_t *, int64_t, int, uint16_t *, int64_t, const float *,
                    int64_t, int64_t) = type == Q4_0 ? direct_bf16_q4_0 : type == Q4_1 ? direct_bf16_q4_1 : direct_bf16_q8_0;
 #if HAVE_QAMX
-    if (m >= on_tiles_from && k > 0 && quant_bf16_amx() &&
-        quant_bf16_on_tiles(type, x, x_stride, packed, bias, y, y_stride, m, n, k))
-        return;
+    if (m >= on_tiles_from && k > 0 && quant_bf16_amx()) {
+        if (m <= TILE_ROWS) {
+            quant_bf16_few_on_tiles(type, x, x_stride, packed, bias, y, y_stride, m, n, k);
+            return;
+        }
+        if (quant_bf16_on_tiles(type, x, x_stride, packed, bias, y, y_stride, m, n, k)) return;
+    }
 #endif
     if (m <= BF_DIRECT_ROWS) {
         #pragma omp parallel for schedule(static)
