@@ -63,7 +63,7 @@ def on_tiles_from(lib, rows: int, mats: list, xb: dict) -> None:
         for p, t, n, k in mats:
             lib.linear_bf16(xb[k], p, t, n, None)
     finally:
-        lib.tiles_for_every_row(False)
+        lib.tiles_from = None
 
 
 def linear_pass(rows: int, repeats: int) -> dict:

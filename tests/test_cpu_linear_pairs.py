@@ -160,3 +160,29 @@ def test_the_pairs_run_on_amx_tiles_where_granted_and_dot_products_where_there_i
     monkeypatch.setattr(lib, "pairs_simd", False)
     assert cpu_linear.pair_instructions(ZEN4, lib) is None
 
+
+
+@pytest.mark.parametrize("in_features", [576, 100], ids=["rows-in-place", "rows-padded"])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(lib, path, in_features):
+    """By default every call goes on the tiles where the CPU has them (x read in place up to 16 rows
+    when the inputs fill whole tiles, copied with zeros past them otherwise; more rows copied into
+    whole tiles), all with the same tiles in the same order: a row's bits do not depend on its batch.
+    The dot products (and the portable loop) are invariant too."""
+    assert lib.tiles_from == 1  # csrc/linear.c's default
+    torch.manual_seed(in_features)
+    out_features = 1536
+    pairs = lib.pack_pairs(torch.randn(out_features, in_features) * 0.05)
+    bias = torch.randn(out_features)
+    x = torch.randn(40, in_features).bfloat16()
+    full = lib.linear_pairs(x, pairs, out_features, bias)
+    for m in (1, 2, 3, 16, 17, 33):
+        assert torch.equal(lib.linear_pairs(x[:m], pairs, out_features, bias), full[:m]), m
+    alone = torch.cat([lib.linear_pairs(x[r : r + 1], pairs, out_features, bias) for r in range(40)])
+    assert torch.equal(alone, full)
+    if path == "tiles":  # the dot products at one row (tiles_from 2) round apart now and then
+        try:
+            lib.tiles_from = 2
+            dots = torch.cat([lib.linear_pairs(x[r : r + 1], pairs, out_features, bias) for r in range(40)])
+        finally:
+            lib.tiles_from = None
+        assert not torch.equal(dots, full)

@@ -180,18 +180,19 @@ def test_bf16_kernel_equals_the_dense_bf16_kernel_and_is_batch_invariant(bf16_li
 
 @pytest.fixture
 def tiles_restored(bf16_lib):
-    """The bf16 kernel, with its default split between dot products and tiles restored afterwards."""
+    """The bf16 kernel, its default split between dot products and tiles restored afterwards."""
     yield bf16_lib
-    bf16_lib.tiles_for_every_row(False)
+    bf16_lib.tiles_from = None
 
 
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
-def test_every_row_on_the_tiles_is_batch_invariant_and_exact(tiles_restored, btype, qtype):
-    """Every call on AMX tiles where the CPU has them (the default, and what ``--deterministic``
-    asks; elsewhere the dot products, invariant already): a row alone, read in place by a tile of
-    fewer rows, gets the bits it gets among 300 (copied, 19 tiles of 16 rows in chunks of 8, the
-    last odd), and every path stays within rounding of the exact sum."""
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tiles_restored, btype, qtype):
+    """By default every call goes on AMX tiles where the CPU has them (elsewhere the dot products,
+    invariant already): a row alone, read in place by a tile of fewer rows, gets the bits it gets
+    among 300 (copied, 19 tiles of 16 rows in chunks of 8, the last odd), and every path stays
+    within rounding of the exact sum."""
     lib = tiles_restored
+    assert lib.tiles_from == 1  # csrc/quant.c's default
     n, k = 40, 4096  # 8 KiB rows: a chunk of x holds 8 tiles of rows
     torch.manual_seed(3)
     packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
@@ -199,48 +200,23 @@ def test_every_row_on_the_tiles_is_batch_invariant_and_exact(tiles_restored, bty
     bias = torch.randn(n)
     x = torch.randn(300, k).bfloat16()
     reference = (x.double() @ weight.double().T + bias.double()).float()
-    lib.tiles_for_every_row(True)
-    assert lib.tiles_from == 1
     y = lib.linear_bf16(x, packed, btype, n, bias)
     torch.testing.assert_close(y.float(), reference, atol=1e-3 * k**0.5, rtol=2**-7)
     for m in (1, 2, 3, 16, 17, 33):
         assert torch.equal(lib.linear_bf16(x[:m], packed, btype, n, bias), y[:m]), m
     for r in (0, 1, 150, 299):
         assert torch.equal(lib.linear_bf16(x[r : r + 1], packed, btype, n, bias)[0], y[r])
-    lib.tiles_for_every_row(False)
-    assert lib.tiles_from == 1  # csrc/quant.c's default: every call on the tiles too
-    assert torch.equal(lib.linear_bf16(x[:1], packed, btype, n, bias), y[:1])
     lib.tiles_from = 3  # calls of one or two rows on the dot products
     alone = torch.cat([lib.linear_bf16(x[r : r + 1], packed, btype, n, bias) for r in range(64)])
     torch.testing.assert_close(alone.float(), reference[:64], atol=1e-3 * k**0.5, rtol=2**-7)
     assert torch.equal(lib.linear_bf16(x[:3], packed, btype, n, bias), y[:3])  # 3 rows: the tiles
-    if lib.bf16_amx:  # the paths round apart now and then (2 to 5 in 10^5 outputs): the setting matters
+    if lib.bf16_amx:  # the paths round apart now and then (2 to 5 in 10^5 outputs): the default matters
         n, k = 1536, 576
         packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
         x = torch.randn(64, k).bfloat16()
         tiles = lib.linear_bf16(x, packed, btype, n, None)
         alone = torch.cat([lib.linear_bf16(x[r : r + 1], packed, btype, n, None) for r in range(64)])
         assert not torch.equal(alone, tiles)
-
-
-def test_deterministic_puts_every_bf16_linear_call_on_the_tiles(tiles_restored, tiny_model_dir, tmp_path):
-    """The worker's --deterministic reaches both linear kernels loaded in its process; a worker without
-    it restores their default."""
-    from worker_svc.cpu.linear import kernel as linear_kernel
-
-    dense = linear_kernel()
-    source = tiny_model_dir("llama-gqa")
-    model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=True, types=MIXED)
-    prompt = sample_prompts(source, n=1, lengths=(9,))
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    tiles_restored.tiles_from = 3
-    with LLM(model_dir, dtype="bfloat16", deterministic=True) as llm:
-        llm.generate(prompt, params)
-        assert tiles_restored.tiles_from == 1 and (dense is None or dense.tiles_from == 1)
-    tiles_restored.tiles_from = 3
-    with LLM(model_dir, dtype="bfloat16") as llm:
-        llm.generate(prompt, params)
-        assert tiles_restored.tiles_from == 1 and (dense is None or dense.tiles_from == 3)
 
 
 def test_int8_quantization_round_trips_within_half_a_step(lib):
@@ -385,15 +361,13 @@ def test_tiny_gguf_served_from_its_blocks_in_bf16_equals_its_bf16_dequantization
     source = tiny_model_dir("llama-gqa")
     model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=tied, types=MIXED)
     prompts = sample_prompts(source, n=4, lengths=(1, 9, 33, 77))
-    # on AMX the quantized linears take the tiles at every size, the dense ones only from 3 rows
-    # unless --deterministic puts them there too
-    amx = {"deterministic": True} if bf16_lib.bf16_amx else {}
     with caplog.at_level("INFO", logger="pagewire.worker"):
-        quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized", **amx)
-    assert "bf16 arithmetic (C kernel, AVX-512 BF16 dot products" in caplog.text
-    # the same bf16 weights, embedding rows and sums (csrc/linear.c's order, or the same tiles): the
-    # same tokens
-    assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize", **amx)
+        quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized")
+    on = "AMX tiles" if bf16_lib.bf16_amx else "AVX-512 BF16 dot products"
+    assert f"bf16 arithmetic (C kernel, {on}" in caplog.text
+    # the same bf16 weights, embedding rows and sums (csrc/linear.c's order, or on AMX the same
+    # tiles): the same tokens
+    assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize")
 
 
 def test_bf16_model_computes_in_fp32_without_avx512_bf16(lib, tiny_model_dir, tmp_path, monkeypatch):

@@ -12,7 +12,6 @@ from pagewire import LLM, SamplingParams
 from tests.test_cpu_kernels import _batch
 from tests.tiny_models import sample_prompts
 from worker_svc.cpu import attention, build, features
-from worker_svc.cpu.prepare import tiles_for_every_row
 from worker_svc.sampler import Sampler, SamplingBatch
 
 pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on PATH")
@@ -95,6 +94,5 @@ def test_seeded_tokens_alone_batched_and_after_a_prefix_hit(tiny_model_dir):
             batched = llm.generate([prompt, *prompts[1:]], [seeded, *others])[0]
         assert batched.token_ids == alone.token_ids
         assert batched.logprobs == alone.logprobs
-    finally:  # as a worker without --deterministic leaves them
-        paged.use_cpu_attention(attention.kernel)
-        tiles_for_every_row(False)
+    finally:
+        paged.use_cpu_attention(attention.kernel)  # as a worker without --deterministic registers it

@@ -90,14 +90,16 @@ class LinearKernel:
 
     @property
     def tiles_from(self) -> int:
-        """Rows from which :meth:`linear_pairs` multiplies on AMX tiles where :attr:`pairs_amx`;
-        fewer go through the dot products, whose sums round otherwise."""
+        """Rows from which :meth:`linear_pairs` multiplies on AMX tiles where :attr:`pairs_amx` (the kernel's
+        default, 1: every call); fewer go through the dot products, whose sums round otherwise."""
         return int(self._tiles_from(0))
 
-    def tiles_for_every_row(self, every: bool) -> None:
-        """Every pair call on the tiles (where :attr:`pairs_amx`; ``--deterministic``: a row's bits
-        then never depend on its batch), or the kernel's default split back."""
-        self._tiles_from(1 if every else -1)
+    @tiles_from.setter
+    def tiles_from(self, rows: int | None) -> None:
+        """``rows`` (at least 1), or None for the kernel's default (benchmarks compare the paths)."""
+        if rows is not None and rows < 1:
+            raise ValueError(f"tiles_from must be at least 1 row, got {rows}")
+        self._tiles_from(-1 if rows is None else rows)
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """weight [N, K] (cast to ``dtype``, fp32 or bf16) -> the kernel's layout: [ceil(N / 16), K, 16]."""

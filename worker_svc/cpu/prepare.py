@@ -3,8 +3,8 @@
 What runs where depends on the model's dtype and on the CPU (``features``):
 
 - a model with quantized linears (GGUF blocks, ``--quantization int8``: ``quantized``) computes in
-  bf16 for a bf16 model on a CPU with AVX-512 BF16 (the kernel's bf16 dot products, and from three
-  rows AMX tiles where the CPU has them), else in fp32;
+  bf16 for a bf16 model on a CPU with AVX-512 BF16 (the kernel's bf16 dot products, or AMX tiles
+  where the CPU has them), else in fp32;
   its KV cache in the model's dtype; with ``int8_activations`` in fp32, its linears multiplying
   activations rounded to int8 (only quantized linears have that path);
 - a bf16 model on a CPU without native bf16 keeps bf16 weights and cache and computes in fp32
@@ -13,8 +13,7 @@ What runs where depends on the model's dtype and on the CPU (``features``):
 - either arithmetic takes the fused norm, SiLU and rotary passes where they are vectorized for it
   (``fused``: fp32 with AVX2, bf16 with AVX-512 BF16);
 - ``kvcache.paged`` is handed the C attention kernel (``attention``), built now rather than during
-  the first request; with ``deterministic`` for every chunk, not only those of up to 32 queries,
-  and on AMX every bf16 linear call on the tiles (``tiles_for_every_row``).
+  the first request; with ``deterministic`` for every chunk, not only those of up to 32 queries.
 
 One log line says what runs where.
 """
@@ -27,8 +26,7 @@ import torch
 from torch import nn
 
 from kvcache import paged
-from worker_svc.cpu import attention, features, quantized
-from worker_svc.cpu import linear as cpu_linear
+from worker_svc.cpu import attention, features
 from worker_svc.cpu.bf16_linear import compute_bf16_model_in_fp32
 from worker_svc.cpu.decode import MAX_TOKENS, QuantDecode
 from worker_svc.cpu.fused import use_fused_cpu_kernels
@@ -55,7 +53,6 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool =
         linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(model)
     else:
         linears = pack_linears_for_cpu(model) or "plain torch matmuls"
-    tiles_for_every_row(deterministic)
     fused = use_fused_cpu_kernels(model, compute_dtype) > 0
     paged.use_cpu_attention(attention.kernel, every_chunk=deterministic)
     attention_path = paged.prepare_cpu_attention(compute_dtype, dtype)
@@ -71,12 +68,3 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool =
         log.warning("--deterministic: attention is not available in C here (%s), so a request's tokens may still "
                     "depend on its batch and on prefix-cache hits", attention_path)
 
-
-def tiles_for_every_row(every: bool) -> None:
-    """On AMX, every bf16 linear call on the tiles (``--deterministic``), or the kernels' default
-    (the dot products for calls of one or two rows, which round otherwise), in each linear kernel
-    this process has loaded."""
-    for kernel in (cpu_linear.kernel, quantized.kernel):
-        lib = kernel() if kernel.cache_info().currsize else None
-        if lib is not None:
-            lib.tiles_for_every_row(every)

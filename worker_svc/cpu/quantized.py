@@ -185,20 +185,16 @@ class QuantKernel:
 
     @property
     def tiles_from(self) -> int:
-        """Rows from which a bf16 call multiplies on AMX tiles where :attr:`bf16_amx` (by default
-        1: every call); fewer go through the dot products, whose sums round otherwise."""
+        """Rows from which a bf16 call multiplies on AMX tiles where :attr:`bf16_amx` (the kernel's
+        default, 1: every call); fewer go through the dot products, whose sums round otherwise."""
         return int(self._tiles_from(0))
 
     @tiles_from.setter
-    def tiles_from(self, rows: int) -> None:
-        if rows < 1:
+    def tiles_from(self, rows: int | None) -> None:
+        """``rows`` (at least 1), or None for the kernel's default (benchmarks compare the paths)."""
+        if rows is not None and rows < 1:
             raise ValueError(f"tiles_from must be at least 1 row, got {rows}")
-        self._tiles_from(rows)
-
-    def tiles_for_every_row(self, every: bool) -> None:
-        """Every bf16 call on the tiles (where :attr:`bf16_amx`; ``--deterministic``: a row's bits
-        then never depend on its batch), or the kernel's default split back."""
-        self._tiles_from(1 if every else -1)
+        self._tiles_from(-1 if rows is None else rows)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -477,9 +473,8 @@ def compute_quantized_model(model: nn.Module, dtype: torch.dtype, *,
         for module in model.modules():
             if isinstance(module, QuantLinear):
                 module.compute_dtype = torch.bfloat16
-        tiles = " and AMX tiles" if lib.bf16_amx else ""
-        return torch.bfloat16, (f"quantized {'/'.join(types)} weights, bf16 arithmetic (C kernel, AVX-512 BF16 dot "
-                                f"products{tiles}, {isa})")
+        on = "AMX tiles" if lib.bf16_amx else "AVX-512 BF16 dot products"
+        return torch.bfloat16, f"quantized {'/'.join(types)} weights, bf16 arithmetic (C kernel, {on}, {isa})"
     rest_in_fp32(model, keep=(QuantLinear, QuantEmbedding))
     where = "no C compiler: dequantized per call" if lib is None else (
         f"C kernel, {lib.simd}-bit vectors, {isa}" if lib.simd else "C kernel, portable build")

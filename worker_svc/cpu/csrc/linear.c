@@ -413,8 +413,80 @@ static void amx_block(const char *xp, int64_t xp_stride, const char *panel, int6
     if (two_rows && two_cols) _tile_stored(3, c + 3 * tile, 64);
 }
 
+/* Up to 16 rows (A and C tiles configured for m rows, B tiles 16) of xp (rows xp_stride bytes apart,
+ * panel_pairs(k) pairs each: x itself where k is a multiple of 32, else a zero-padded copy) times
+ * every panel, two panels at a time, the next two prefetched as these multiply; y as in
+ * linear_pairs_on_tiles. Each output takes the same B tiles in the same order from zero as there:
+ * the same bits, whatever the rows. */
+static void linear_pairs_few_on_tiles(const char *xp, int64_t xp_stride, const uint32_t *packed, const float *bias,
+                                      uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t kp = panel_pairs(k), num_panels = (n + PANEL - 1) / PANEL, panel_bytes = kp * PANEL * 4;
+    const int64_t steps = kp / PAIR_STEP, lines = (2 * panel_bytes / 64 + steps - 1) / steps;
+    #pragma omp parallel
+    {
+        float c[2 * TILE_ROWS * PANEL] __attribute__((aligned(64)));
+        struct amx_tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = t >= 6 ? TILE_ROWS : (uint8_t)m;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        #pragma omp for schedule(static)
+        for (int64_t pp = 0; pp < (num_panels + 1) / 2; pp++) {
+            const int64_t p = 2 * pp;
+            const int two_cols = p + 1 < num_panels;
+            const char *panel = (const char *)packed + p * panel_bytes, *panel1 = panel + panel_bytes;
+            const char *prefetch = p + 2 < num_panels ? panel + 2 * panel_bytes : panel;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t q = 0; q < kp; q += PAIR_STEP) {
+                for (int64_t l = 0; l < lines; l++) _mm_prefetch(prefetch + l * 64, _MM_HINT_T0);
+                prefetch += lines * 64;
+                _tile_loadd(4, xp + q * 4, xp_stride);
+                _tile_loadd(6, panel + q * 64, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_cols) {
+                    _tile_loadd(7, panel1 + q * 64, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+            }
+            _tile_stored(0, c, 64);
+            if (two_cols) _tile_stored(1, c + TILE_ROWS * PANEL, 64);
+            for (int side = 0; side <= two_cols; side++) {
+                const int64_t col = (p + side) * PANEL, cols = n - col < PANEL ? n - col : PANEL;
+                const __mmask16 valid = (__mmask16)((1u << cols) - 1);
+                const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + col) : _mm512_setzero_ps();
+                for (int64_t r = 0; r < m; r++) {
+                    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + side * TILE_ROWS * PANEL + r * PANEL), add));
+                    _mm256_mask_storeu_epi16(y + r * y_stride + col, valid, (__m256i)out);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
 static void linear_pairs_on_tiles(const uint16_t *x, int64_t x_stride, const uint32_t *packed, const float *bias,
                                   uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    if (m <= TILE_ROWS) {
+        if (k % (2 * PAIR_STEP) == 0) { /* whole tiles of pairs: x read in place */
+            linear_pairs_few_on_tiles((const char *)x, 2 * x_stride, packed, bias, y, y_stride, m, n, k);
+            return;
+        }
+        const int64_t xp_stride = panel_pairs(k) * 4;
+        char *xp = aligned_alloc(64, (size_t)(m * xp_stride));
+        if (xp) {
+            for (int64_t r = 0; r < m; r++) {
+                memcpy(xp + r * xp_stride, x + r * x_stride, (size_t)(2 * k));
+                memset(xp + r * xp_stride + 2 * k, 0, (size_t)(xp_stride - 2 * k));
+            }
+            linear_pairs_few_on_tiles(xp, xp_stride, packed, bias, y, y_stride, m, n, k);
+            free(xp);
+            return;
+        }
+    }
     const int64_t kp = panel_pairs(k), num_panels = (n + PANEL - 1) / PANEL;
     const int64_t panel_bytes = kp * PANEL * 4, xp_stride = kp * 4;
     const int64_t groups = (m + TILE_ROWS - 1) / TILE_ROWS; /* of 16 rows */
@@ -503,12 +575,12 @@ int linear_pairs_amx(void) {
 }
 
 /* As linear_bf16_pairs, on AMX tiles where linear_pairs_amx() says so and x has at least
- * tiles_from rows (else the same as it). One or two rows leave most of each 16-row tile empty:
- * there the dot products stream the weights faster (a pass over SmolLM2's linears, 1 row: 9.9
- * against 11.3 ms on the tiles; 2 rows: 10.8 against 11.3; 3 rows: 11.9 against 11.4). The two
- * paths sum in another order, so a row's bits depend on which one its batch took; tiles_from 1
- * (linear_pairs_tiles_from) puts every call on the tiles. */
-#define TILES_FROM 3
+ * tiles_from rows (else the same as it). From one row by default: every call's outputs then take
+ * the same tiles in the same order, so a row's bits never depend on its batch, where the dot
+ * products round otherwise; and up to 16 rows read x in place, so the tiles cost about what the dot
+ * products do (a pass through SmolLM2's linears on Emerald Rapids, two threads: 1 row 0.98-1.07x
+ * the dot products' time, 2 rows 0.90-0.94x, 8 rows 0.74x). linear_pairs_tiles_from changes it. */
+#define TILES_FROM 1
 static int64_t tiles_from = TILES_FROM;
 
 /* Sets the rows from which calls go on the tiles (rows >= 1), or restores the default (rows < 0);
