@@ -578,8 +578,9 @@ int linear_pairs_amx(void) {
  * tiles_from rows (else the same as it). From one row by default: every call's outputs then take
  * the same tiles in the same order, so a row's bits never depend on its batch, where the dot
  * products round otherwise; and up to 16 rows read x in place, so the tiles cost about what the dot
- * products do (a pass through SmolLM2's linears on Emerald Rapids, two threads: 1 row 0.98-1.07x
- * the dot products' time, 2 rows 0.90-0.94x, 8 rows 0.74x). linear_pairs_tiles_from changes it. */
+ * products do (benchmarks/cpu_linear.py, a pass through SmolLM2's linears on Emerald Rapids, two
+ * threads: 1 row 9.9 ms on both, 2 rows 10.4 against 11.3, 8 rows 10.9 against 16.3, 32 rows 14.1
+ * against 54.6). linear_pairs_tiles_from changes it. */
 #define TILES_FROM 1
 static int64_t tiles_from = TILES_FROM;
 

@@ -773,9 +773,9 @@ static int quant_bf16_on_tiles(int type, const uint16_t *x, int64_t x_stride, co
 
 /* Rows from which quant_linear_bf16 multiplies on AMX tiles (where granted); fewer rows would go
  * through the dot products. From one row by default: a row's bits then never depend on its batch,
- * and the tiles cost about what the dot products do at one or two rows (a pass through SmolLM2's
- * linears on Emerald Rapids, two threads: 1 row 0.94-1.12x the dot products' time, 2 rows 0.88-1.02x,
- * 4 rows 0.69x, 32 rows 0.25x). quant_bf16_tiles_from changes it (benchmarks/cpu_quantized.py). */
+ * and the tiles cost about what the dot products do at one or two rows (benchmarks/cpu_quantized.py,
+ * a pass through SmolLM2's linears on Emerald Rapids, two threads: 1 row 1.06x the dot products'
+ * time, 2 rows 0.88x, 4 rows 0.72x, 32 rows 0.26x). quant_bf16_tiles_from changes it. */
 #define TILES_FROM 1
 static int64_t on_tiles_from = TILES_FROM;
 
