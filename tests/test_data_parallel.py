@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -133,11 +134,16 @@ def generate(api_stub, prompts, max_tokens=16, **kw) -> list[list[int]]:
         return list(pool.map(one, prompts))
 
 
-def long_request(api_stub, prompt: list[int]) -> tuple:
-    """240 tokens for ``prompt``: ("ok", tokens, finish reason), or (status code, details)."""
+def long_request(api_stub, prompt: list[int], first_output: threading.Event | None = None) -> tuple:
+    """240 tokens for ``prompt``: ("ok", tokens, finish reason), or (status code, details);
+    ``first_output`` is set once the first response has arrived."""
+    responses = []
     try:
-        responses = list(api_stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(
-            max_tokens=240, ignore_eos=True))))
+        for response in api_stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling(
+                max_tokens=240, ignore_eos=True))):
+            responses.append(response)
+            if first_output is not None:
+                first_output.set()
         return "ok", sum(len(r.token_ids) for r in responses), responses[-1].finish_reason
     except grpc.RpcError as e:
         return e.code(), e.details()
@@ -200,8 +206,12 @@ def test_a_dead_core_fails_only_its_requests_and_rejoins(cores, model_dir, tmp_p
     try:
         prompts = [[20 + i, 30 + i, 40 + i] for i in range(12)]
         pool = ThreadPoolExecutor(len(prompts))
-        futures = [pool.submit(long_request, api.stub, p) for p in prompts]
+        first_outputs = [threading.Event() for _ in prompts]
+        futures = [pool.submit(long_request, api.stub, p, first) for p, first in zip(prompts, first_outputs)]
         wait_until(lambda: all(core_stats(a).num_running == 6 for a in addresses), timeout=20, interval=0.01)
+        # every stream has output: none may go to another core when its own dies (on a slow host a
+        # request can be running and still have sent nothing, and such a request is passed on)
+        wait_until(lambda: all(first.is_set() for first in first_outputs), timeout=20, interval=0.01)
         # core 1's engine core process dies hard; its worker and core 0 go on
         engine_core = next(pid for pid, argv in descendants(procs[1].proc.pid) if " scheduler " in argv)
         os.kill(engine_core, signal.SIGKILL)

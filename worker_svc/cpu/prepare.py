@@ -67,4 +67,3 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool =
     if deterministic and attention_path != "C kernel":
         log.warning("--deterministic: attention is not available in C here (%s), so a request's tokens may still "
                     "depend on its batch and on prefix-cache hits", attention_path)
-

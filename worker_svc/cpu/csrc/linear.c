@@ -459,7 +459,8 @@ static void linear_pairs_few_on_tiles(const char *xp, int64_t xp_stride, const u
                 const __mmask16 valid = (__mmask16)((1u << cols) - 1);
                 const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + col) : _mm512_setzero_ps();
                 for (int64_t r = 0; r < m; r++) {
-                    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + side * TILE_ROWS * PANEL + r * PANEL), add));
+                    const __m512 sum = _mm512_load_ps(c + side * TILE_ROWS * PANEL + r * PANEL);
+                    const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(sum, add));
                     _mm256_mask_storeu_epi16(y + r * y_stride + col, valid, (__m256i)out);
                 }
             }

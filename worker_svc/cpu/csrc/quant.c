@@ -750,8 +750,8 @@ static int quant_bf16_on_tiles(int type, const uint16_t *x, int64_t x_stride, co
                                 for (int64_t r = 0; r < TILE_ROWS && r0 + half * TILE_ROWS + r < m; r++) {
                                     __m512 sum = _mm512_load_ps(tile + r * 16);
                                     if (bias) sum = _mm512_add_ps(sum, add);
-                                    _mm256_mask_storeu_epi16(y + (r0 + half * TILE_ROWS + r) * y_stride + col + 16 * side,
-                                                             valid, (__m256i)_mm512_cvtneps_pbh(sum));
+                                    uint16_t *out = y + (r0 + half * TILE_ROWS + r) * y_stride + col + 16 * side;
+                                    _mm256_mask_storeu_epi16(out, valid, (__m256i)_mm512_cvtneps_pbh(sum));
                                 }
                             }
                     }
