@@ -171,9 +171,11 @@ def test_bf16_kernel_equals_the_dense_bf16_kernel_and_is_batch_invariant(bf16_li
         assert torch.equal(bf16_lib.linear_bf16(x[:m], packed, btype, n, bias), y[:m])
     for r in range(32):
         assert torch.equal(bf16_lib.linear_bf16(x[r : r + 1], packed, btype, n, bias)[0], y[r])
-    # the dense bf16 model's kernel on its vdpbf16ps path sums in the same order: the same bits
+    # the dense bf16 model's kernel sums in the same order (its vdpbf16ps path, or on AMX the same
+    # tiles): the same bits
     dense = linear_kernel()
-    if dense is not None and dense.pairs_simd and not dense.pairs_amx:
+    if dense is not None and dense.pairs_simd:
+        assert dense.pairs_amx == bf16_lib.bf16_amx
         weight = Q.dequantize_ref(packed, btype, n, k).bfloat16()
         assert torch.equal(dense.linear_pairs(x, dense.pack_pairs(weight), n, bias), y)
 
@@ -206,11 +208,16 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tiles_restored, btype, 
         assert torch.equal(lib.linear_bf16(x[:m], packed, btype, n, bias), y[:m]), m
     for r in (0, 1, 150, 299):
         assert torch.equal(lib.linear_bf16(x[r : r + 1], packed, btype, n, bias)[0], y[r])
+    # rows read in place 4 KiB apart (a view of every other row), no bias, into a view of wider rows
+    plain = lib.linear_bf16(x, packed, btype, n, None)
+    out = torch.zeros(300, n + 8, dtype=torch.bfloat16)
+    lib.linear_bf16(x[::2][:16], packed, btype, n, None, out=out[:16, :n])
+    assert torch.equal(out[:16, :n], plain[::2][:16]) and not out[:16, n:].any()
     lib.tiles_from = 3  # calls of one or two rows on the dot products
     alone = torch.cat([lib.linear_bf16(x[r : r + 1], packed, btype, n, bias) for r in range(64)])
     torch.testing.assert_close(alone.float(), reference[:64], atol=1e-3 * k**0.5, rtol=2**-7)
     assert torch.equal(lib.linear_bf16(x[:3], packed, btype, n, bias), y[:3])  # 3 rows: the tiles
-    if lib.bf16_amx:  # the paths round apart now and then (2 to 5 in 10^5 outputs): the default matters
+    if lib.bf16_amx:  # the paths round apart now and then (about 1 in 10^4 outputs): the default matters
         n, k = 1536, 576
         packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
         x = torch.randn(64, k).bfloat16()

@@ -13,8 +13,9 @@ dequantizes each weight to fp32 in registers (bit for bit the dequantized model'
   the dequantized weight) and multiplied by ``vdpbf16ps`` dot products, fp32 sums in the order of
   ``csrc/linear.c``'s bf16 kernel, output bf16: where that kernel serves the dense bf16 model made
   from the same file (AVX-512 BF16 without AMX), the quantized model computes its bits exactly.
-  On CPUs with AMX every call multiplies the same bf16 weights on the tiles (tdpbf16ps), a few
-  outputs in 10^5 rounded otherwise than the dot products would.
+  On CPUs with AMX every call multiplies the same bf16 weights on the tiles (tdpbf16ps), about one
+  output in 10^4 rounded otherwise than the dot products would, and the same bits as the dense
+  model's pairs on the tiles.
   Elsewhere a bf16 model computes in fp32 (:func:`compute_quantized_model`).
 
 :class:`QuantLinear` replaces an ``nn.Linear`` (one or several packed parts, their outputs side by

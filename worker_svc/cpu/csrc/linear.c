@@ -352,11 +352,14 @@ static void linear(const void *x, int64_t x_stride, const void *packed, enum lay
  * 16 consecutive pairs of a panel (16 rows of 64 bytes) are an AMX B tile in the layout tdpbf16ps
  * expects, so the same packed weights serve both instruction sets. A tdpbf16ps multiplies an A
  * tile (16 rows of x, 16 pairs each) by a B tile into a C tile of 16 rows x 16 columns of fp32
- * sums. x is first copied into rows of panel_pairs(k) pairs (zeros past k) and a multiple of 16
- * rows (zeros past m), since a tile always loads all its rows and columns. The 8 tiles hold a
- * 2 x 2 block: C 0..3 for 32 rows x 2 panels, A 4 and 5 for the two 16-row halves, B 6 and 7 for
- * the two panels, so each loaded tile feeds two products. The threads split the pairs of panels;
- * rows go in chunks of at most ~1 MiB of x, as in linear(). */
+ * sums. Up to 16 rows, the A and C tiles are configured for m rows and x is read in place (copied
+ * with zeros past k where k is not a multiple of 32), two panels at a time
+ * (linear_pairs_few_on_tiles). More rows: x is first copied into rows of panel_pairs(k) pairs
+ * (zeros past k) and a multiple of 16 rows (zeros past m), and the 8 tiles hold a 2 x 2 block: C
+ * 0..3 for 32 rows x 2 panels, A 4 and 5 for the two 16-row halves, B 6 and 7 for the two panels,
+ * so each loaded tile feeds two products. The threads split the pairs of panels; rows go in
+ * chunks of at most ~1 MiB of x, as in linear(). Where no memory is left for a copy, the call
+ * falls back to the vector path (whose sums round otherwise). */
 #if HAVE_AMX
 #define TILE_ROWS 16
 /* of x per row chunk: half the 2 MiB L2 of these cores (at 512 rows, 7% faster than 256 KiB) */

@@ -807,8 +807,10 @@ static inline float bf16_value(float f) { /* round to nearest even, as torch's c
 }
 
 /* x [m, k] bf16 (rows x_stride elements apart, x_stride even; k a multiple of 32), W [n, k] packed
- * in `type` as above, bias [n] fp32 or NULL -> y [m, n] bf16 (rows y_stride apart). Without AVX-512
- * BF16, a portable loop with the same weights and pairing (each pair's two products summed in fp32). */
+ * in `type` as above, bias [n] fp32 or NULL -> y [m, n] bf16 (rows y_stride apart). On AMX tiles
+ * where granted (calls of on_tiles_from rows or more; where no memory is left for x's copy or the
+ * pairs, the dot products instead), else on AVX-512 BF16 dot products; without AVX-512 BF16, a
+ * portable loop with the same weights and pairing (each pair's two products summed in fp32). */
 void quant_linear_bf16(int type, const uint16_t *x, int64_t x_stride, const uint8_t *packed, const float *bias,
                        uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
     if (m <= 0 || n <= 0) return;
