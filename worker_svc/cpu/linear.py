@@ -54,7 +54,31 @@ def pair_rows(in_features: int) -> int:
     return -(-in_features // (2 * _PAIR_STEP)) * _PAIR_STEP
 
 
-class LinearKernel:
+class TilesFrom:
+    """For a kernel library whose bf16 calls multiply on AMX tiles where the CPU has them:
+    ``tiles_from``, the rows from which they do (the kernel's default, 1: every call); fewer go
+    through the dot products, whose sums round otherwise."""
+
+    def _bind_tiles_from(self, fn) -> None:
+        """``fn``: the library's C setter (rows > 0 sets, < 0 restores the default, 0 reads; it
+        returns the rows in force)."""
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_int64]
+        self._tiles_from = fn
+
+    @property
+    def tiles_from(self) -> int:
+        return int(self._tiles_from(0))
+
+    @tiles_from.setter
+    def tiles_from(self, rows: int | None) -> None:
+        """``rows`` (at least 1), or None for the kernel's default (benchmarks compare the paths)."""
+        if rows is not None and rows < 1:
+            raise ValueError(f"tiles_from must be at least 1 row, got {rows}")
+        self._tiles_from(-1 if rows is None else rows)
+
+
+class LinearKernel(TilesFrom):
     """The loaded C library, with torch-facing calls."""
 
     def __init__(self, lib: ctypes.CDLL):
@@ -84,22 +108,7 @@ class LinearKernel:
         # the same layout on AMX tiles: built for a CPU with AMX-BF16 and the tiles granted by Linux;
         # when set, linear_pairs multiplies on the tiles
         self.pairs_amx = bool(lib.linear_pairs_amx())
-        self._tiles_from = lib.linear_pairs_tiles_from
-        self._tiles_from.restype = i64
-        self._tiles_from.argtypes = [i64]
-
-    @property
-    def tiles_from(self) -> int:
-        """Rows from which :meth:`linear_pairs` multiplies on AMX tiles where :attr:`pairs_amx` (the kernel's
-        default, 1: every call); fewer go through the dot products, whose sums round otherwise."""
-        return int(self._tiles_from(0))
-
-    @tiles_from.setter
-    def tiles_from(self, rows: int | None) -> None:
-        """``rows`` (at least 1), or None for the kernel's default (benchmarks compare the paths)."""
-        if rows is not None and rows < 1:
-            raise ValueError(f"tiles_from must be at least 1 row, got {rows}")
-        self._tiles_from(-1 if rows is None else rows)
+        self._bind_tiles_from(lib.linear_pairs_tiles_from)
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """weight [N, K] (cast to ``dtype``, fp32 or bf16) -> the kernel's layout: [ceil(N / 16), K, 16]."""

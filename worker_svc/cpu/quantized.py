@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_svc.cpu import build
+from worker_svc.cpu.linear import TilesFrom
 
 log = logging.getLogger("pagewire.worker")
 
@@ -152,7 +153,7 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(n, -1)
 
 
-class QuantKernel:
+class QuantKernel(TilesFrom):
     """The loaded C library, with torch-facing calls."""
 
     def __init__(self, lib: ctypes.CDLL):
@@ -174,28 +175,13 @@ class QuantKernel:
         self.bf16_simd = bool(lib.quant_bf16_simd())
         # bf16 activations on AMX tiles, for calls of `tiles_from` rows or more (csrc/quant.c)
         self.bf16_amx = bool(lib.quant_bf16_amx())
-        self._tiles_from = lib.quant_bf16_tiles_from
-        self._tiles_from.restype = ctypes.c_int64
-        self._tiles_from.argtypes = [i64]
+        self._bind_tiles_from(lib.quant_bf16_tiles_from)
         self._linear_i8 = lib.quant_linear_i8
         self._linear_i8.restype = None
         self._linear_i8.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
         # int8 activations: 2 on AVX-512 VNNI dot products, 1 on AVX2 integer products, 0 for a
         # portable loop (all three compute the same bits)
         self.i8_simd = int(lib.quant_i8_simd())
-
-    @property
-    def tiles_from(self) -> int:
-        """Rows from which a bf16 call multiplies on AMX tiles where :attr:`bf16_amx` (the kernel's
-        default, 1: every call); fewer go through the dot products, whose sums round otherwise."""
-        return int(self._tiles_from(0))
-
-    @tiles_from.setter
-    def tiles_from(self, rows: int | None) -> None:
-        """``rows`` (at least 1), or None for the kernel's default (benchmarks compare the paths)."""
-        if rows is not None and rows < 1:
-            raise ValueError(f"tiles_from must be at least 1 row, got {rows}")
-        self._tiles_from(-1 if rows is None else rows)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:

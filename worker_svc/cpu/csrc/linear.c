@@ -372,12 +372,13 @@ struct amx_tile_config {
     uint8_t rows[16];
 };
 
-static void amx_configure(void) {
+/* Every tile 64 bytes a row; the A (4, 5) and C (0..3) tiles `rows` rows (1..16), B (6, 7) 16. */
+static void amx_configure(int rows) {
     struct amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = TILE_ROWS;
+        cfg.rows[t] = t >= 6 ? TILE_ROWS : (uint8_t)rows;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
@@ -428,35 +429,14 @@ static void linear_pairs_few_on_tiles(const char *xp, int64_t xp_stride, const u
     #pragma omp parallel
     {
         float c[2 * TILE_ROWS * PANEL] __attribute__((aligned(64)));
-        struct amx_tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = t >= 6 ? TILE_ROWS : (uint8_t)m;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        amx_configure((int)m);
         #pragma omp for schedule(static)
         for (int64_t pp = 0; pp < (num_panels + 1) / 2; pp++) {
             const int64_t p = 2 * pp;
             const int two_cols = p + 1 < num_panels;
-            const char *panel = (const char *)packed + p * panel_bytes, *panel1 = panel + panel_bytes;
+            const char *panel = (const char *)packed + p * panel_bytes;
             const char *prefetch = p + 2 < num_panels ? panel + 2 * panel_bytes : panel;
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t q = 0; q < kp; q += PAIR_STEP) {
-                for (int64_t l = 0; l < lines; l++) _mm_prefetch(prefetch + l * 64, _MM_HINT_T0);
-                prefetch += lines * 64;
-                _tile_loadd(4, xp + q * 4, xp_stride);
-                _tile_loadd(6, panel + q * 64, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two_cols) {
-                    _tile_loadd(7, panel1 + q * 64, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-            }
-            _tile_stored(0, c, 64);
-            if (two_cols) _tile_stored(1, c + TILE_ROWS * PANEL, 64);
+            amx_block(xp, xp_stride, panel, panel_bytes, kp, 0, two_cols, c, prefetch, lines);
             for (int side = 0; side <= two_cols; side++) {
                 const int64_t col = (p + side) * PANEL, cols = n - col < PANEL ? n - col : PANEL;
                 const __mmask16 valid = (__mmask16)((1u << cols) - 1);
@@ -511,7 +491,7 @@ static void linear_pairs_on_tiles(const uint16_t *x, int64_t x_stride, const uin
     #pragma omp parallel
     {
         float c[4 * TILE_ROWS * PANEL] __attribute__((aligned(64)));
-        amx_configure();
+        amx_configure(TILE_ROWS);
         for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
             const int64_t g1 = g0 + chunk_groups < groups ? g0 + chunk_groups : groups;
             const int64_t blocks = (g1 - g0 + 1) / 2;

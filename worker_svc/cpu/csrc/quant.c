@@ -568,7 +568,8 @@ static uint32_t *pairs_buffer(int64_t words) {
 #define TILE_PAIRS 16
 static int qamx_state = -1; /* -1 not asked yet, 0 refused, 1 granted */
 
-static void qamx_configure(void) {
+/* Every tile 64 bytes a row; the A (4, 5) and C (0..3) tiles `rows` rows (1..16), B (6, 7) 16. */
+static void qamx_configure(int rows) {
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
@@ -577,7 +578,7 @@ static void qamx_configure(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = TILE_ROWS;
+        cfg.rows[t] = t >= 6 ? TILE_ROWS : (uint8_t)rows;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
@@ -612,22 +613,6 @@ static void qamx_block(const char *xp, int64_t xp_stride, const uint32_t *buf, i
         _tile_stored(2, c + 2 * TILE_ROWS * 16, 64);
         _tile_stored(3, c + 3 * TILE_ROWS * 16, 64);
     }
-}
-
-/* Rows (1..16) in A and C tiles, B tiles 16 rows; every tile 64 bytes a row. */
-static void qamx_configure_rows(int rows) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t >= 6 ? TILE_ROWS : (uint8_t)rows;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
 }
 
 /* Up to 16 rows of x, read in place (rows xs_bytes apart; the tiles configured for m rows), times
@@ -681,7 +666,7 @@ static void quant_bf16_few_on_tiles(int type, const uint16_t *x, int64_t x_strid
     {
         uint32_t bufs[2 * TILE_PAIRS * GROUP] __attribute__((aligned(64)));
         float c[2 * TILE_ROWS * 16] __attribute__((aligned(64)));
-        qamx_configure_rows((int)m);
+        qamx_configure((int)m);
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
@@ -723,7 +708,7 @@ static int quant_bf16_on_tiles(int type, const uint16_t *x, int64_t x_stride, co
         }
         #pragma omp barrier
         if (ok) {
-            qamx_configure();
+            qamx_configure(TILE_ROWS);
             for (int64_t t0 = 0; t0 < row_tiles; t0 += chunk_tiles) {
                 const int64_t t1 = t0 + chunk_tiles < row_tiles ? t0 + chunk_tiles : row_tiles;
                 const int64_t blocks = (t1 - t0 + 1) / 2, steps = kp / TILE_PAIRS;
