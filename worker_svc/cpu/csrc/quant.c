@@ -584,6 +584,19 @@ static void qamx_configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
+/* `rows` rows of a C tile's sums (16 apart) plus the bias, rounded to bf16, into y's columns
+ * [col, col + count) (count <= 16; rows y_stride apart). */
+static inline void qamx_store(const float *tile, int64_t rows, uint16_t *y, int64_t y_stride, const float *bias,
+                              int64_t col, int64_t count) {
+    const __mmask16 valid = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + col) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 sum = _mm512_load_ps(tile + r * 16);
+        if (bias) sum = _mm512_add_ps(sum, add);
+        _mm256_mask_storeu_epi16(y + r * y_stride + col, valid, (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+}
+
 /* 16 or 32 rows of xp (xp_stride bytes apart) times a group's pairs buf [kp][32] -> c [4][16][16]
  * (row half, column half). Prefetches `lines` lines from `prefetch` per 16 pairs. */
 static void qamx_block(const char *xp, int64_t xp_stride, const uint32_t *buf, int64_t kp, int two_rows, float *c,
@@ -645,17 +658,8 @@ static inline __attribute__((always_inline)) void qamx_group_few(
     }
     _tile_stored(0, c, 64);
     _tile_stored(1, c + TILE_ROWS * 16, 64);
-    for (int side = 0; side < 2; side++) {
-        const int64_t count = cols - 16 * side;
-        if (count <= 0) break;
-        const __mmask16 valid = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1);
-        const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + col + 16 * side) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < m; r++) {
-            __m512 sum = _mm512_load_ps(c + side * TILE_ROWS * 16 + r * 16);
-            if (bias) sum = _mm512_add_ps(sum, add);
-            _mm256_mask_storeu_epi16(y + r * y_stride + col + 16 * side, valid, (__m256i)_mm512_cvtneps_pbh(sum));
-        }
-    }
+    for (int side = 0; side < 2 && cols > 16 * side; side++)
+        qamx_store(c + side * TILE_ROWS * 16, m, y, y_stride, bias, col + 16 * side, cols - 16 * side);
 }
 
 /* quant_linear_bf16 on the tiles for m <= 16 rows (x rows read in place). */
@@ -724,21 +728,13 @@ static int quant_bf16_on_tiles(int type, const uint16_t *x, int64_t x_stride, co
                         const int two_rows = t0 + 2 * b + 1 < t1;
                         qamx_block(xp + r0 * xp_stride, xp_stride, buf, kp, two_rows, c,
                                    next + b * steps * lines * 64, lines);
-                        for (int half = 0; half <= two_rows; half++)
-                            for (int side = 0; side < 2; side++) {
-                                const int64_t count = cols - 16 * side;
-                                if (count <= 0) break;
-                                const __mmask16 valid = (__mmask16)(count >= 16 ? 0xffffu : (1u << count) - 1);
-                                const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + col + 16 * side)
-                                                        : _mm512_setzero_ps();
-                                const float *tile = c + (2 * half + side) * TILE_ROWS * 16;
-                                for (int64_t r = 0; r < TILE_ROWS && r0 + half * TILE_ROWS + r < m; r++) {
-                                    __m512 sum = _mm512_load_ps(tile + r * 16);
-                                    if (bias) sum = _mm512_add_ps(sum, add);
-                                    uint16_t *out = y + (r0 + half * TILE_ROWS + r) * y_stride + col + 16 * side;
-                                    _mm256_mask_storeu_epi16(out, valid, (__m256i)_mm512_cvtneps_pbh(sum));
-                                }
-                            }
+                        for (int half = 0; half <= two_rows; half++) {
+                            const int64_t first = r0 + half * TILE_ROWS;
+                            const int64_t rows = m - first < TILE_ROWS ? m - first : TILE_ROWS;
+                            for (int side = 0; side < 2 && cols > 16 * side; side++)
+                                qamx_store(c + (2 * half + side) * TILE_ROWS * 16, rows, y + first * y_stride, y_stride,
+                                           bias, col + 16 * side, cols - 16 * side);
+                        }
                     }
                 }
             }
