@@ -482,7 +482,9 @@ def test_http_health_is_503_while_the_server_drains(model_dir, tmp_path):
 
         with ThreadPoolExecutor(8) as pool:  # one runs at a time: the drain lasts while the rest run
             futures = [pool.submit(one, i) for i in range(8)]
-            wait_until(lambda: stub_.GetStats(pb.StatsRequest()).num_waiting >= 4, timeout=30, interval=0.01)
+            # every one taken by the core before SIGTERM (one still on its way would be refused, rightly)
+            wait_until(lambda: (lambda s: s.num_running + s.num_waiting + s.num_requests_finished == 8
+                                and s.num_waiting >= 4)(stub_.GetStats(pb.StatsRequest())), timeout=30, interval=0.01)
             serve.signal(signal.SIGTERM)
             status, answer = wait_until(lambda: (lambda got: got if got[0] != 200 else None)(http_json(url, "/health")),
                                         timeout=10, interval=0.01)
