@@ -161,7 +161,6 @@ def test_the_pairs_run_on_amx_tiles_where_granted_and_dot_products_where_there_i
     assert cpu_linear.pair_instructions(ZEN4, lib) is None
 
 
-
 @pytest.mark.parametrize("in_features", [576, 100], ids=["rows-in-place", "rows-padded"])
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(lib, path, in_features):
     """By default every call goes on the tiles where the CPU has them (x read in place up to 16 rows
