@@ -4,20 +4,21 @@
     weights of its own, far past the caches) at 1 row (one stream's decode step) and more: Q4_1
     linears with a Q8_0 head (the embedded file's types) and all Q8_0 (``--quantization int8``),
     each with fp32 activations, activations rounded to int8 (``--int8-activations``) and (where
-    the CPU has AVX-512 BF16) bf16 ones (on AMX also each of its two paths alone: every call on the
-    dot products, every call on the tiles), the dense kernel's bf16 pairs (there too) and fp32
-    packed for oneDNN; µs and the GB/s of weights read;
+    the CPU has AVX-512 BF16) bf16 ones (on AMX also each of its three paths alone: every call on
+    the dot products, on the tiles, in exact integer products), the dense kernel's bf16 pairs
+    (there too) and fp32 packed for oneDNN; µs and the GB/s of weights read;
   * offline one-stream decode of the embedded model, ``pagewire.LLM``, one prompt, 128 greedy new
     tokens: served from its GGUF blocks (``--dtype auto``, and fp32) against its dequantized copy
-    in bf16 and fp32, in alternating rounds; tok/s of the whole ``generate`` (its 6-token prefill
-    is about one step);
+    in bf16 and fp32, and with ``--deterministic``, in alternating rounds; tok/s of the whole
+    ``generate`` (its 6-token prefill is about one step);
   * offline throughput at 32 streams (32 distinct prompts x 64 greedy new tokens, one
     ``generate``), the same servings alternated (the dequantized fp32 one left out): many rows per
     step, where the kernel's arithmetic (bf16 dot products or fp32 FMAs) decides;
-  * greedy agreement on SmolLM2: the quantized model (fp32, ``--dtype auto`` and
-    ``--int8-activations``) and the dequantized bf16 model against the dequantized fp32 model over
-    a few prompts, and the quantized ``--dtype auto`` model against the dequantized bf16 one: the
-    share of identical tokens position by position, and where each prompt first differs.
+  * greedy agreement on SmolLM2: the quantized model (fp32, ``--dtype auto`` with the prompts
+    at once and one at a time, ``--deterministic``, ``--int8-activations``) and the dequantized
+    bf16 model against the dequantized fp32 model over a few prompts, and the quantized models in
+    bf16 against the dequantized bf16 one: the share of identical tokens position by position, and
+    where each prompt first differs.
 
     python benchmarks/cpu_quantized.py --threads 1 --json docs/bench/cpu-quantized-avx512-zen5-1thread.json
 
@@ -50,20 +51,30 @@ HEAD = (49152, 576)
 SERVINGS = {"quantized (GGUF blocks, --dtype auto)": {},
             "quantized fp32": {"gguf_weights": "quantized", "dtype": "float32"},
             "quantized, --int8-activations": {"gguf_weights": "quantized", "int8_activations": True},
+            "quantized, --deterministic": {"gguf_weights": "quantized", "deterministic": True},
             "dequantized bf16": {"gguf_weights": "dequantize", "dtype": "bfloat16"},
             "dequantized fp32": {"gguf_weights": "dequantize", "dtype": "float32"}}
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
            "Explain photosynthesis to a child.", "List three uses of a paperclip."]
 
 
-def on_tiles_from(lib, rows: int, mats: list, xb: dict) -> None:
-    """One pass of bf16 calls with the kernel's AMX tiles taking calls of ``rows`` rows or more."""
-    lib.tiles_from = rows
+def on_path(lib, mats: list, xb: dict, *, tiles_from: int, exact_rows: int) -> None:
+    """One pass of bf16 calls with the kernel's AMX tiles taking calls of ``tiles_from`` rows or
+    more, calls of up to ``exact_rows`` rows in exact integer products before them."""
+    lib.tiles_from, lib.exact_rows = tiles_from, exact_rows
     try:
         for p, t, n, k in mats:
             lib.linear_bf16(xb[k], p, t, n, None)
     finally:
-        lib.tiles_from = None
+        lib.tiles_from = lib.exact_rows = None
+
+
+def as_served(kw: dict) -> None:
+    """The kernel's process-wide settings as a worker with these settings makes them (several
+    ``LLM`` in one process share the quantized kernel, and the last one prepared set them)."""
+    lib = Q.kernel()
+    if lib is not None:
+        lib.exact_rows = 0 if kw.get("deterministic") else None
 
 
 def linear_pass(rows: int, repeats: int) -> dict:
@@ -94,9 +105,12 @@ def linear_pass(rows: int, repeats: int) -> dict:
         if native_bf16:
             cases[f"{name} bf16"] = (lambda mats=mats: [lib.linear_bf16(xb[k], p, t, n, None) for p, t, n, k in mats],
                                      nbytes)
-        if native_bf16 and lib.bf16_amx:  # each path alone: every call on the dot products, every call on the tiles
-            cases[f"{name} bf16 dot products"] = (lambda mats=mats: on_tiles_from(lib, 1 << 62, mats, xb), nbytes)
-            cases[f"{name} bf16 tiles"] = (lambda mats=mats: on_tiles_from(lib, 1, mats, xb), nbytes)
+        if native_bf16 and lib.bf16_amx:  # each path alone: every call on the dot products, the tiles, exact
+            cases[f"{name} bf16 dot products"] = (
+                lambda mats=mats: on_path(lib, mats, xb, tiles_from=1 << 62, exact_rows=0), nbytes)
+            cases[f"{name} bf16 tiles"] = (lambda mats=mats: on_path(lib, mats, xb, tiles_from=1, exact_rows=0), nbytes)
+            cases[f"{name} bf16 exact"] = (
+                lambda mats=mats: on_path(lib, mats, xb, tiles_from=1, exact_rows=1 << 62), nbytes)
     kern = linear_kernel()
     if kern is not None and "avx512_bf16" in cpu_info().flags:
         packs = [(kern.pack_pairs(torch.randn(n, k).bfloat16()), n, k) for n, k in shapes]
@@ -125,6 +139,7 @@ def decode_rates(rounds: int, new_tokens: int, threads: int | None) -> dict:
         llm.generate(PROMPTS[0], many)
     for _ in range(rounds):
         for name, llm in llms.items():
+            as_served(SERVINGS[name])
             start = time.perf_counter()
             llm.generate(PROMPTS[0], many)
             rates[name].append(round(new_tokens / (time.perf_counter() - start), 1))
@@ -147,6 +162,7 @@ def streams_rates(rounds: int, streams: int, new_tokens: int, threads: int | Non
         llm.generate(prompts[:4], params)
     for _ in range(rounds):
         for name, llm in llms.items():
+            as_served(servings[name])
             start = time.perf_counter()
             llm.generate(prompts, params)
             rates[name].append(round(streams * new_tokens / (time.perf_counter() - start), 1))
@@ -166,10 +182,15 @@ def agreement(new_tokens: int) -> dict:
     for name, kw in (("fp32 dequantized", {"gguf_weights": "dequantize", "dtype": "float32"}),
                      ("quantized fp32", {"gguf_weights": "quantized", "dtype": "float32"}),
                      ("quantized, --dtype auto", {"gguf_weights": "quantized"}),
+                     ("quantized, --dtype auto, one prompt at a time", {"gguf_weights": "quantized"}),
+                     ("quantized, --deterministic", {"gguf_weights": "quantized", "deterministic": True}),
                      ("quantized, --int8-activations", {"gguf_weights": "quantized", "int8_activations": True}),
                      ("dequantized bf16", {"gguf_weights": "dequantize", "dtype": "bfloat16"})):
         with LLM(**kw) as llm:
-            outputs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+            if "one prompt at a time" in name:  # decode steps of one row (exact integer products on AMX)
+                outputs[name] = [llm.generate(prompt, params)[0].token_ids for prompt in PROMPTS]
+            else:  # five rows a step
+                outputs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]
     reference = outputs.pop("fp32 dequantized")
 
     def compare(tokens: list[list[int]], reference: list[list[int]]) -> dict:
@@ -178,9 +199,11 @@ def agreement(new_tokens: int) -> dict:
         return {"identical_share": round(same / sum(map(len, reference)), 4), "first_difference": first}
 
     result = {name: compare(tokens, reference) for name, tokens in outputs.items()}
-    # bf16 against bf16: the same weights, the same sums where the dense model runs linear.c's dot products
-    result["quantized, --dtype auto, against dequantized bf16"] = compare(outputs["quantized, --dtype auto"],
-                                                                        outputs["dequantized bf16"])
+    # bf16 against bf16: the same weights and sums on the tiles or dot products (--deterministic, or rows a step past
+    # the exact integer path), the exact weights and sums of few rows on AMX
+    for name in ("quantized, --dtype auto", "quantized, --dtype auto, one prompt at a time",
+                 "quantized, --deterministic"):
+        result[f"{name}, against dequantized bf16"] = compare(outputs[name], outputs["dequantized bf16"])
     return result
 
 

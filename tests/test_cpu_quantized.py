@@ -15,10 +15,12 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from kvcache import paged
 from pagewire import LLM
 from pagewire_common.sampling import SamplingParams
 from tests.tiny_models import sample_prompts
 from worker_svc.config import ModelConfig
+from worker_svc.cpu import attention
 from worker_svc.cpu import quantized as Q
 from worker_svc.weights import GGUF_SOURCE_FILE, iter_weights, load_model
 
@@ -139,9 +141,31 @@ def bf16_lib(lib):
     return lib
 
 
+@pytest.fixture
+def tiles_only(bf16_lib):
+    """The bf16 kernel with every call on the tiles or the dot products (none in exact integer
+    products: ``--deterministic``), its defaults restored afterwards."""
+    bf16_lib.exact_rows = 0
+    yield bf16_lib
+    bf16_lib.exact_rows = None
+    bf16_lib.tiles_from = None
+
+
+@pytest.fixture
+def exact_path(bf16_lib):
+    """The bf16 kernel with calls of up to 4 rows in exact integer products (the default where the
+    AMX tiles are granted; forced here on any CPU whose build has the path), defaults restored."""
+    bf16_lib.exact_rows = 4
+    if bf16_lib.exact_rows != 4:
+        pytest.skip("this build of the kernel has no exact integer path (it needs AVX-512 VNNI and VBMI)")
+    yield bf16_lib
+    bf16_lib.exact_rows = None
+
+
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
 @pytest.mark.parametrize("n,k", [(37, 64), (200, 96), (64, 576)])
-def test_bf16_kernel_matches_the_bf16_cast_of_the_dequantized_weight(bf16_lib, btype, qtype, n, k):
+def test_bf16_kernel_matches_the_bf16_cast_of_the_dequantized_weight(tiles_only, btype, qtype, n, k):
+    bf16_lib = tiles_only
     torch.manual_seed(n + k + 1)
     blocks = quantized_blocks(torch.randn(n, k), qtype)
     packed = Q.pack_blocks(blocks, btype, n, k)
@@ -157,8 +181,10 @@ def test_bf16_kernel_matches_the_bf16_cast_of_the_dequantized_weight(bf16_lib, b
 
 
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
-def test_bf16_kernel_equals_the_dense_bf16_kernel_and_is_batch_invariant(bf16_lib, btype, qtype):
+def test_bf16_kernel_equals_the_dense_bf16_kernel_and_is_batch_invariant(tiles_only, btype, qtype):
     from worker_svc.cpu.linear import kernel as linear_kernel
+
+    bf16_lib = tiles_only
 
     n, k = 70, 160
     torch.manual_seed(7)
@@ -180,20 +206,13 @@ def test_bf16_kernel_equals_the_dense_bf16_kernel_and_is_batch_invariant(bf16_li
         assert torch.equal(dense.linear_pairs(x, dense.pack_pairs(weight), n, bias), y)
 
 
-@pytest.fixture
-def tiles_restored(bf16_lib):
-    """The bf16 kernel, its default split between dot products and tiles restored afterwards."""
-    yield bf16_lib
-    bf16_lib.tiles_from = None
-
-
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
-def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tiles_restored, btype, qtype):
-    """By default every call goes on AMX tiles where the CPU has them (elsewhere the dot products,
-    invariant already): a row alone, read in place by a tile of fewer rows, gets the bits it gets
-    among 300 (copied, 19 tiles of 16 rows in chunks of 8, the last odd), and every path stays
-    within rounding of the exact sum."""
-    lib = tiles_restored
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tiles_only, btype, qtype):
+    """Without the exact integer path (``--deterministic``) every call goes on AMX tiles where the
+    CPU has them (elsewhere the dot products, invariant already): a row alone, read in place by a
+    tile of fewer rows, gets the bits it gets among 300 (copied, 19 tiles of 16 rows in chunks of
+    8, the last odd), and every path stays within rounding of the exact sum."""
+    lib = tiles_only
     assert lib.tiles_from == 1  # csrc/quant.c's default
     n, k = 40, 4096  # 8 KiB rows: a chunk of x holds 8 tiles of rows
     torch.manual_seed(3)
@@ -224,6 +243,100 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(tiles_restored, btype, 
         tiles = lib.linear_bf16(x, packed, btype, n, None)
         alone = torch.cat([lib.linear_bf16(x[r : r + 1], packed, btype, n, None) for r in range(64)])
         assert not torch.equal(alone, tiles)
+
+
+def test_exact_rows_default_to_four_where_the_tiles_are_granted(bf16_lib):
+    bf16_lib.exact_rows = None
+    assert bf16_lib.exact_rows == (4 if bf16_lib.bf16_amx else 0)
+    with pytest.raises(ValueError, match="at least 0"):
+        bf16_lib.exact_rows = -1
+
+
+def _near_a_bf16_tie(exact: torch.Tensor, magnitude: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Where a float64 value lies closer to a midpoint between two bf16 values (where rounding to
+    bf16 flips) than an fp32 sum of ``blocks`` blocks' terms of total ``magnitude`` may stray: one
+    rounding per block's sum and one per fma into the output, 2^-24 of the magnitude each."""
+    e = torch.frexp(exact.abs().clamp_min(1e-30))[1].double()  # |v| in [2^(e-1), 2^e)
+    step = torch.ldexp(torch.ones_like(e), (e - 8).int())  # bf16 keeps 8 significant bits
+    distance = (torch.remainder(exact.abs() / step, 1.0) - 0.5).abs() * step
+    return distance <= (2 * blocks + 2) * 2.0**-24 * magnitude
+
+
+def _on_block_scales(x: torch.Tensor) -> torch.Tensor:
+    """bf16 x [M, K] as the exact integer path sees it (float64): each block of 32 rounded to the
+    nearest even multiple of its scale, 2^(E - 147) for E the largest biased exponent in the block
+    (csrc/quant.c): unchanged but for values more than 13 binades below the block's largest."""
+    m, k = x.shape
+    blocks = x.view(torch.int16).view(m, k // 32, 32).int() & 0xFFFF
+    e = ((blocks >> 7) & 0xFF).amax(-1, keepdim=True)
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float64), e - 147)
+    values = x.double().view(m, k // 32, 32)
+    return (torch.round(values / scale) * scale).view(m, k)
+
+
+@pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
+@pytest.mark.parametrize("n,k", [(37, 64), (200, 96), (1536, 576)])
+def test_calls_of_few_rows_are_the_exact_products_rounded_to_bf16(exact_path, btype, qtype, n, k):
+    """x split into three int8 digits per block multiplies the quants in integers, so each block's
+    sum is exact and rounded once: the outputs are the exact product (the dequantized fp32 weights,
+    the bf16 inputs on their blocks' scales, float64 sums) rounded to bf16, but for values within
+    fp32 rounding of a bf16 midpoint; the tiles, which round the weights to bf16 first, miss about
+    a third of them."""
+    lib = exact_path
+    torch.manual_seed(n + k + 2)
+    packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
+    weight = Q.dequantize_ref(packed, btype, n, k).double()
+    bias = torch.randn(n)
+    x = torch.randn(3, k).bfloat16()
+    x[0, :32] *= 2.0**-20  # a block whose values are all small
+    x[1, 5] = 3000.0  # a block wider than 13 binades: its smallest values round to the scale's integers
+    scaled = _on_block_scales(x)
+    assert torch.equal(scaled[[0, 2]], x[[0, 2]].double()) and not torch.equal(scaled[1], x[1].double())
+    exact = scaled @ weight.T + bias.double()
+    y = lib.linear_bf16(x, packed, btype, n, bias)
+    near_a_tie = _near_a_bf16_tie(exact, scaled.abs() @ weight.T.abs() + bias.double().abs(), k // 32)
+    assert near_a_tie.float().mean() < 0.05  # the check is not empty
+    assert ((y == exact.float().bfloat16()) | near_a_tie).all()
+    lib.exact_rows = 0
+    tiles = lib.linear_bf16(x, packed, btype, n, bias)
+    lib.exact_rows = 4
+    assert (tiles != exact.float().bfloat16()).float().mean() > 0.15
+    # a row's bits do not depend on the rows beside it, up to exact_rows; x read at a stride, no
+    # bias, into a view of wider rows
+    for m in (1, 2):
+        assert torch.equal(lib.linear_bf16(x[:m], packed, btype, n, bias), y[:m])
+    for r in range(3):
+        assert torch.equal(lib.linear_bf16(x[r : r + 1], packed, btype, n, bias)[0], y[r])
+    wide = torch.randn(3, 2 * k).bfloat16()
+    wide[:, :k] = x
+    plain = lib.linear_bf16(x, packed, btype, n, None)
+    out = torch.zeros(3, n + 8, dtype=torch.bfloat16)
+    lib.linear_bf16(wide[:, :k], packed, btype, n, None, out=out[:, :n])
+    assert torch.equal(out[:, :n], plain) and not out[:, n:].any()
+
+
+@pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
+def test_exact_products_of_zero_tiny_and_non_finite_blocks(exact_path, btype, qtype):
+    """A block of zeros adds nothing; one of values below 2^-106 (its digits made one at a time)
+    still counts; an infinity or NaN in a block makes the outputs NaN, as any multiply would."""
+    lib = exact_path
+    n, k = 40, 96
+    torch.manual_seed(11)
+    packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
+    weight = Q.dequantize_ref(packed, btype, n, k).double()
+    x = torch.randn(3, k).bfloat16()
+    x[0, :32] = 0.0
+    x[1] = x[1] * 2.0**-110
+    scaled = _on_block_scales(x)
+    exact = scaled @ weight.T
+    y = lib.linear_bf16(x[:2], packed, btype, n, None)
+    near_a_tie = _near_a_bf16_tie(exact[:2], scaled[:2].abs() @ weight.T.abs(), k // 32)
+    assert ((y == exact[:2].float().bfloat16()) | near_a_tie).all()
+    assert (y[1] != 0).any()
+    x[2, 40] = float("inf")
+    assert torch.isnan(lib.linear_bf16(x[2:], packed, btype, n, None)).all()
+    x[2, 40] = float("nan")
+    assert torch.isnan(lib.linear_bf16(x[2:], packed, btype, n, None)).all()
 
 
 def test_int8_quantization_round_trips_within_half_a_step(lib):
@@ -365,16 +478,49 @@ def test_a_llama_gguf_with_q_and_k_biases_gets_them_back_in_hugging_face_order(l
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_tiny_gguf_served_from_its_blocks_in_bf16_equals_its_bf16_dequantization(bf16_lib, tiny_model_dir, tmp_path,
                                                                                  caplog, tied):
+    """With --deterministic every call takes the tiles (or the dot products), whose weights and sums
+    are the dense bf16 model's: the same tokens. By default, where the tiles are granted, calls of
+    up to 4 rows take the exact integer products instead (the log says so)."""
     source = tiny_model_dir("llama-gqa")
     model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=tied, types=MIXED)
     prompts = sample_prompts(source, n=4, lengths=(1, 9, 33, 77))
     with caplog.at_level("INFO", logger="pagewire.worker"):
-        quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized")
+        quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized", deterministic=True)
     on = "AMX tiles" if bf16_lib.bf16_amx else "AVX-512 BF16 dot products"
-    assert f"bf16 arithmetic (C kernel, {on}" in caplog.text
+    assert f"bf16 arithmetic (C kernel, {on}, " in caplog.text
     # the same bf16 weights, embedding rows and sums (csrc/linear.c's order, or on AMX the same
     # tiles): the same tokens
-    assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize")
+    assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize", deterministic=True)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pagewire.worker"):
+        greedy(model_dir, prompts[:1], "bfloat16", gguf_weights="quantized")
+    assert ("calls of up to 4 rows in exact integer products" in caplog.text) == bf16_lib.bf16_amx
+    assert bf16_lib.exact_rows == (4 if bf16_lib.bf16_amx else 0)  # the worker's default restored
+
+
+def test_seeded_tokens_of_a_quantized_bf16_model_alone_batched_and_after_a_hit(bf16_lib, tiny_model_dir, tmp_path):
+    """--deterministic on a model served from its blocks in bf16: a seeded request alone, after a
+    prefix hit and batched with 16 others gets the same tokens and logprobs (its calls alone would
+    take the exact integer products by default where the tiles are granted, and the tiles batched)."""
+    source = tiny_model_dir("llama-gqa")
+    model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=False, types=MIXED)
+    prompts = sample_prompts(source, lengths=[60] + [8 + 3 * i for i in range(16)], seed=5)
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True, logprobs=True)
+    common = dict(dtype="bfloat16", block_size=16, num_kv_blocks=256, gguf_weights="quantized", deterministic=True)
+    try:
+        with LLM(model_dir, **common) as llm:
+            assert bf16_lib.exact_rows == 0
+            alone = llm.generate([prompts[0]], seeded)[0]
+            again = llm.generate([prompts[0]], seeded)[0]
+        assert again.usage.cached_prompt_tokens == 48
+        assert (again.token_ids, again.logprobs) == (alone.token_ids, alone.logprobs)
+        others = [SamplingParams(temperature=0.9, seed=i, max_tokens=24) for i in range(16)]
+        with LLM(model_dir, enable_prefix_caching=False, **common) as llm:
+            batched = llm.generate(prompts, [seeded, *others])[0]
+        assert (batched.token_ids, batched.logprobs) == (alone.token_ids, alone.logprobs)
+    finally:  # as a worker without --deterministic sets them
+        paged.use_cpu_attention(attention.kernel)
+        bf16_lib.exact_rows = None
 
 
 def test_bf16_model_computes_in_fp32_without_avx512_bf16(lib, tiny_model_dir, tmp_path, monkeypatch):

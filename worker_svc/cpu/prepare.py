@@ -47,7 +47,8 @@ def prepare_model(model: nn.Module, dtype: torch.dtype, *, deterministic: bool =
         raise ValueError("--int8-activations multiplies quantized weights: serve a GGUF file's Q4_0, Q4_1 or Q8_0 "
                          "blocks or add --quantization int8 (this model's linears are dense)")
     if is_quantized(model):
-        compute_dtype, linears = compute_quantized_model(model, dtype, int8_activations=int8_activations)
+        compute_dtype, linears = compute_quantized_model(model, dtype, int8_activations=int8_activations,
+                                                         deterministic=deterministic)
     elif dtype == torch.bfloat16 and not cpu.native_bf16:
         compute_dtype = torch.float32
         linears = "bf16 weights, fp32 arithmetic (no native bf16): " + compute_bf16_model_in_fp32(model)

@@ -43,7 +43,7 @@ from worker_svc.cpu.linear import TilesFrom
 log = logging.getLogger("pagewire.worker")
 
 _SOURCE = pathlib.Path(__file__).parent / "csrc" / "quant.c"
-_ABI = 4
+_ABI = 5
 GROUP = 32  # output columns of a packed group (csrc/quant.c)
 QK = 32  # weights of a block
 
@@ -176,6 +176,9 @@ class QuantKernel(TilesFrom):
         # bf16 activations on AMX tiles, for calls of `tiles_from` rows or more (csrc/quant.c)
         self.bf16_amx = bool(lib.quant_bf16_amx())
         self._bind_tiles_from(lib.quant_bf16_tiles_from)
+        self._exact_rows = lib.quant_bf16_exact_rows
+        self._exact_rows.restype = i64
+        self._exact_rows.argtypes = [i64]
         self._linear_i8 = lib.quant_linear_i8
         self._linear_i8.restype = None
         self._linear_i8.argtypes = [c_int, p, i64, p, p, p, i64, i64, i64, i64]
@@ -229,6 +232,21 @@ class QuantKernel(TilesFrom):
                               None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), m,
                               out_features, k)
         return out
+
+    @property
+    def exact_rows(self) -> int:
+        """Calls of :meth:`linear_bf16` of up to this many rows multiply in exact integer products
+        (x split into three int8 digits per block; csrc/quant.c says how); 0 where this build or CPU
+        has no such path, or where it is turned off (``--deterministic``)."""
+        return int(self._exact_rows(-2))
+
+    @exact_rows.setter
+    def exact_rows(self, rows: int | None) -> None:
+        """``rows`` (0: none), or None for the kernel's default (4 where the AMX tiles are granted, else
+        0). Where the build has no such path it stays 0."""
+        if rows is not None and rows < 0:
+            raise ValueError(f"exact_rows must be at least 0, got {rows}")
+        self._exact_rows(-1 if rows is None else rows)
 
     def rows(self, packed: torch.Tensor, btype: BlockType, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """Rows ``ids`` [T] of a packed table [n, k], dequantized: [T, k] fp32."""
@@ -430,16 +448,18 @@ def bf16_kernel_available() -> bool:
     return lib is not None and lib.bf16_simd and "avx512_bf16" in cpu_info().flags
 
 
-def compute_quantized_model(model: nn.Module, dtype: torch.dtype, *,
-                            int8_activations: bool = False) -> tuple[torch.dtype, str]:
+def compute_quantized_model(model: nn.Module, dtype: torch.dtype, *, int8_activations: bool = False,
+                            deterministic: bool = False) -> tuple[torch.dtype, str]:
     """Make a model with quantized linears compute in ``dtype`` where the kernel multiplies it:
     bf16 where :func:`bf16_kernel_available` (every quantized linear, the embedding lookup and the
     head take and return bf16; the other parameters stay as loaded, in bf16, as in the dense bf16
     model), else fp32, as its dequantized fp32 copy does: every other parameter and floating buffer
     becomes fp32 (norms, dense linears and tables), rotary tables are recomputed in fp32. The KV
     cache keeps ``dtype`` either way. ``int8_activations``: fp32, every quantized linear multiplying
-    its inputs rounded to int8 (:meth:`QuantKernel.linear_i8`). Returns the dtype it computes in
-    and, for the log, what the linears run on."""
+    its inputs rounded to int8 (:meth:`QuantKernel.linear_i8`). ``deterministic``: bf16 calls of few
+    rows on the tiles too, not in exact integer products (:attr:`QuantKernel.exact_rows`), so a row's
+    bits do not depend on its batch. Returns the dtype it computes in and, for the log, what the
+    linears run on."""
     from worker_svc.cpu.bf16_linear import rest_in_fp32
     from worker_svc.cpu.features import cpu_info
 
@@ -461,6 +481,10 @@ def compute_quantized_model(model: nn.Module, dtype: torch.dtype, *,
             if isinstance(module, QuantLinear):
                 module.compute_dtype = torch.bfloat16
         on = "AMX tiles" if lib.bf16_amx else "AVX-512 BF16 dot products"
+        lib.exact_rows = 0 if deterministic else None
+        if lib.exact_rows:
+            s = "" if lib.exact_rows == 1 else "s"
+            on = f"{on}; calls of up to {lib.exact_rows} row{s} in exact integer products"
         return torch.bfloat16, f"quantized {'/'.join(types)} weights, bf16 arithmetic (C kernel, {on}, {isa})"
     rest_in_fp32(model, keep=(QuantLinear, QuantEmbedding))
     where = "no C compiler: dequantized per call" if lib is None else (

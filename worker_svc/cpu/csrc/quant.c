@@ -752,6 +752,284 @@ static int quant_bf16_on_tiles(int type, const uint16_t *x, int64_t x_stride, co
 #define HAVE_QAMX 0
 #endif
 
+/* ---- bf16 activations in exact integer products (calls of few rows where the tiles are granted) ----
+ *
+ * A row's bf16 x is written per block of 32 inputs as integers on a common power-of-two scale:
+ * s = 2^(E - 147), E the largest biased exponent among the block's 32 values, and
+ * xi = round(x / s), |xi| < 2^21, exact for every value within 13 binades of the block's largest
+ * (its 8 significant bits land on integers; a smaller value rounds to nearest even, as do values of
+ * a block whose largest is below 2^-106, which goes through the scalar path). xi is split into
+ * three int8 digits, xi = D2 2^14 + D1 2^7 + D0 with D0, D1 in 0..127 and D2 in -128..127, and each
+ * digit multiplies the block's quants in integers (vpdpbusd), so the three sums
+ *   I_d = sum q D_d   (Q4: q in 0..15; Q8_0: q + 128 in 0..255, less 128 sum D_d)
+ * are exact in int32 whatever their order. An output then takes, block by block in order along k,
+ *   f = fma(I2, 2^14, fma(I1, 2^7, I0)),  acc = fma(f, d s, acc),  Q4: acc = fma(m, sx, acc)
+ * with d s exact (s a power of two), sx = s sum xi rounded once, m the block's offset (Q4_1: m,
+ * Q4_0: -8 d), then adds the bias and rounds to bf16. The weights are the dequantized model's
+ * exactly (not rounded to bf16, as the tiles' are) and each block's products are summed exactly and
+ * rounded once, so these outputs are at least as close to the exact product as the tiles'; but they
+ * are other bits, so a row's result depends on whether its call takes this path (calls of up to
+ * exact_rows rows) or the tiles.
+ *
+ * Why: one row on the tiles is bound by making the bf16 pairs (about nine vector operations per 32
+ * weights); here a block's quants become the products' bytes with three (one vpermb, one
+ * vpmultishiftqb, one vpand per 64 weights and half a group), and the pass through SmolLM2's
+ * linears reads the blocks at close to the memory's rate (benchmarks/cpu_quantized.py). Each extra
+ * row costs three vpdpbusd per 64 weights where the tiles cost nothing, so from a few rows the tiles
+ * win. */
+#if HAVE_BF16 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define HAVE_IX 1
+#define IX_ROWS 4 /* rows a pass: 3 digits x 2 halves x 4 rows = 24 int32 sums */
+
+/* Rows of x as digits: dig [3][rows][k] (digit, row, k), per block s, sx ([rows][nb]) and the
+ * digits' sums dsum [rows][nb][3]. */
+struct ix_rows {
+    int8_t *dig;
+    float *s, *sx;
+    int32_t *dsum;
+    int64_t k, nb, rows;
+};
+
+/* Row r's block b (32 bf16 at p) into xs, one value at a time (the reference, and the blocks the
+ * vector path leaves: a largest exponent below 20 or a NaN or infinity, where s is NaN). */
+static void ix_block_scalar(const uint16_t *p, int64_t r, int64_t b, const struct ix_rows *xs) {
+    int emax = 0;
+    for (int i = 0; i < QK; i++) {
+        const int e = (p[i] >> 7) & 0xff;
+        emax = e > emax ? e : emax;
+    }
+    const double up = emax ? __builtin_ldexp(1.0, 147 - emax) : 0.0;
+    int64_t sum = 0;
+    int32_t ds[3] = {0, 0, 0};
+    for (int i = 0; i < QK; i++) {
+        union { uint32_t u; float f; } v;
+        v.u = (uint32_t)p[i] << 16;
+        const int32_t xi = emax && emax < 255 ? (int32_t)__builtin_nearbyint((double)v.f * up) : 0;
+        const int32_t dg[3] = {xi & 127, (xi >> 7) & 127, xi >> 14};
+        for (int d = 0; d < 3; d++) {
+            xs->dig[(d * xs->rows + r) * xs->k + b * QK + i] = (int8_t)dg[d];
+            ds[d] += dg[d];
+        }
+        sum += xi;
+    }
+    const double s = emax == 255 ? __builtin_nan("") : emax ? __builtin_ldexp(1.0, emax - 147) : 0.0;
+    xs->s[r * xs->nb + b] = (float)s;
+    xs->sx[r * xs->nb + b] = (float)((double)sum * s);
+    for (int d = 0; d < 3; d++) xs->dsum[(r * xs->nb + b) * 3 + d] = ds[d];
+}
+
+/* Rows [0, m) of x into xs: a block's 32 values in one vector (x * 2^(147 - E) is exact in fp32
+ * for E >= 20, and vcvtps2dq rounds to nearest even as nearbyint does). */
+static void ix_quantize(const uint16_t *x, int64_t x_stride, int64_t m, const struct ix_rows *xs) {
+    const int64_t k = xs->k, nb = xs->nb;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint16_t *p = x + r * x_stride + b * QK;
+            const __m512i h = _mm512_loadu_si512(p);
+            const int emax = (int)_mm512_reduce_max_epu32(_mm512_max_epu32(
+                _mm512_and_si512(_mm512_srli_epi32(h, 7), _mm512_set1_epi32(0xff)),
+                _mm512_and_si512(_mm512_srli_epi32(h, 23), _mm512_set1_epi32(0xff))));
+            if (emax < 20 || emax == 255) {
+                ix_block_scalar(p, r, b, xs);
+                continue;
+            }
+            union { uint32_t u; float f; } up;
+            up.u = (uint32_t)(147 - emax + 127) << 23;
+            const __m512 scale = _mm512_set1_ps(up.f);
+            /* the 16 even and 16 odd values of the block, then back in order of k */
+            const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), scale));
+            const __m512i hi = _mm512_cvtps_epi32(
+                _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xffff0000u))), scale));
+            const __m512i first = _mm512_unpacklo_epi32(lo, hi), second = _mm512_unpackhi_epi32(lo, hi);
+            /* unpack works within 128-bit lanes: lanes (0, 1, 2, 3) of first/second hold k 0..3, 8..11,
+             * 16..19, 24..27 / 4..7, ...; put them in order */
+            const __m512i xi0 = _mm512_permutex2var_epi64(first, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second);
+            const __m512i xi1 = _mm512_permutex2var_epi64(first, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), second);
+            const __m512i seven = _mm512_set1_epi32(127);
+            const __m512i d00 = _mm512_and_si512(xi0, seven), d01 = _mm512_and_si512(xi1, seven);
+            const __m512i d10 = _mm512_and_si512(_mm512_srai_epi32(xi0, 7), seven);
+            const __m512i d11 = _mm512_and_si512(_mm512_srai_epi32(xi1, 7), seven);
+            const __m512i d20 = _mm512_srai_epi32(xi0, 14), d21 = _mm512_srai_epi32(xi1, 14);
+            int8_t *out = xs->dig + r * k + b * QK;
+            const int64_t plane = xs->rows * k;
+            _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(d00));
+            _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(d01));
+            _mm_storeu_si128((__m128i *)(out + plane), _mm512_cvtepi32_epi8(d10));
+            _mm_storeu_si128((__m128i *)(out + plane + 16), _mm512_cvtepi32_epi8(d11));
+            _mm_storeu_si128((__m128i *)(out + 2 * plane), _mm512_cvtepi32_epi8(d20));
+            _mm_storeu_si128((__m128i *)(out + 2 * plane + 16), _mm512_cvtepi32_epi8(d21));
+            union { uint32_t u; float f; } s;
+            s.u = (uint32_t)(emax - 147 + 127) << 23; /* 2^(emax - 147), normal for emax >= 21 */
+            const float sv = emax >= 21 ? s.f : (float)__builtin_ldexp(1.0, emax - 147);
+            const int64_t sum = (int64_t)_mm512_reduce_add_epi32(_mm512_add_epi32(xi0, xi1));
+            xs->s[r * nb + b] = sv;
+            xs->sx[r * nb + b] = (float)((double)sum * (double)sv);
+            int32_t *ds = xs->dsum + (r * nb + b) * 3;
+            ds[0] = _mm512_reduce_add_epi32(_mm512_add_epi32(d00, d01));
+            ds[1] = _mm512_reduce_add_epi32(_mm512_add_epi32(d10, d11));
+            ds[2] = _mm512_reduce_add_epi32(_mm512_add_epi32(d20, d21));
+        }
+}
+
+/* Rows [r0, r0 + mr) of xs times one group (nb tiles) -> y's columns [col, col + cols). */
+static inline __attribute__((always_inline)) void ix_group(const int type, const struct ix_rows *xs, int64_t r0,
+                                                           const uint8_t *tiles, int64_t nb, const int mr, uint16_t *y,
+                                                           int64_t y_stride, const float *bias, int64_t col,
+                                                           int64_t cols) {
+    const int64_t tb = tile_bytes(type), k = xs->k, plane = xs->rows * k;
+    /* Q4, quad u (k 4u..4u+3) = quant rows 2u, 2u + 1 (64 bytes, byte j of row t: column j's k 2t
+     * low nibble, 2t + 1 high): vpermb gathers into qword Q the bytes of columns c, c + 1, c + 16,
+     * c + 17 (c = 2Q) of row 2u, then of row 2u + 1; vpmultishiftqb takes, for the two columns of
+     * half h, the four nibbles in the order of k into each column's 4 bytes (bit offsets 0, 4, 32,
+     * 36 and 8, 12, 40, 44; half 1 16 further), vpand clears the bits above. Q8_0, quad u =
+     * rows 4u..4u + 3 (128 bytes): vpermt2b takes column j's 4 bytes of half h, xor 128 makes them
+     * unsigned. */
+    const __m512i gather = _mm512_set_epi8(
+        63, 62, 47, 46, 31, 30, 15, 14, 61, 60, 45, 44, 29, 28, 13, 12, 59, 58, 43, 42, 27, 26, 11, 10,
+        57, 56, 41, 40, 25, 24, 9, 8, 55, 54, 39, 38, 23, 22, 7, 6, 53, 52, 37, 36, 21, 20, 5, 4,
+        51, 50, 35, 34, 19, 18, 3, 2, 49, 48, 33, 32, 17, 16, 1, 0);
+    const __m512i nibbles0 = _mm512_set1_epi64(0x2c280c0824200400LL);
+    const __m512i nibbles1 = _mm512_set1_epi64(0x3c381c1834301410LL);
+    const __m512i rows0 = _mm512_set_epi8(
+        111, 79, 47, 15, 110, 78, 46, 14, 109, 77, 45, 13, 108, 76, 44, 12, 107, 75, 43, 11, 106, 74, 42, 10,
+        105, 73, 41, 9, 104, 72, 40, 8, 103, 71, 39, 7, 102, 70, 38, 6, 101, 69, 37, 5, 100, 68, 36, 4,
+        99, 67, 35, 3, 98, 66, 34, 2, 97, 65, 33, 1, 96, 64, 32, 0);
+    const __m512i rows1 = _mm512_add_epi8(rows0, _mm512_set1_epi8(16));
+    const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[IX_ROWS][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < IX_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
+        __m512i I[IX_ROWS][3][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < IX_ROWS; r++)
+#pragma GCC unroll 3
+            for (int d = 0; d < 3; d++) I[r][d][0] = I[r][d][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {
+            __m512i w0, w1;
+            if (type == Q8_0) {
+                const __m512i z0 = _mm512_loadu_si512(qs + 128 * u), z1 = _mm512_loadu_si512(qs + 128 * u + 64);
+                w0 = _mm512_xor_si512(_mm512_permutex2var_epi8(z0, rows0, z1), flip);
+                w1 = _mm512_xor_si512(_mm512_permutex2var_epi8(z0, rows1, z1), flip);
+            } else {
+                const __m512i v = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(qs + 64 * u));
+                w0 = _mm512_and_si512(_mm512_multishift_epi64_epi8(nibbles0, v), low);
+                w1 = _mm512_and_si512(_mm512_multishift_epi64_epi8(nibbles1, v), low);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < IX_ROWS; r++)
+                if (r < mr)
+#pragma GCC unroll 3
+                    for (int d = 0; d < 3; d++) {
+                        int32_t quad;
+                        memcpy(&quad, xs->dig + d * plane + (r0 + r) * k + b * QK + 4 * u, 4);
+                        const __m512i xd = _mm512_set1_epi32(quad);
+                        I[r][d][0] = _mm512_dpbusd_epi32(I[r][d][0], w0, xd);
+                        I[r][d][1] = _mm512_dpbusd_epi32(I[r][d][1], w1, xd);
+                    }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 32 * h)));
+            const __m512 mv = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + 64 + 32 * h)))
+                                           : _mm512_mul_ps(dv, _mm512_set1_ps(-8.0f));
+#pragma GCC unroll 8
+            for (int r = 0; r < IX_ROWS; r++)
+                if (r < mr) {
+                    const int64_t rb = (r0 + r) * xs->nb + b;
+                    __m512i i0 = I[r][0][h], i1 = I[r][1][h], i2 = I[r][2][h];
+                    if (type == Q8_0) {
+                        i0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(128 * xs->dsum[rb * 3]));
+                        i1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(128 * xs->dsum[rb * 3 + 1]));
+                        i2 = _mm512_sub_epi32(i2, _mm512_set1_epi32(128 * xs->dsum[rb * 3 + 2]));
+                    }
+                    const __m512 f = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(i2), _mm512_set1_ps(16384.0f),
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(i0)));
+                    acc[r][h] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(xs->s[rb])), acc[r][h]);
+                    if (type != Q8_0) acc[r][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs->sx[rb]), acc[r][h]);
+                }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const int64_t count = cols - 16 * h < 16 ? cols - 16 * h : 16;
+        if (count <= 0) break;
+        const __mmask16 valid = (__mmask16)((1u << count) - 1);
+        const __m512 add = bias ? _mm512_maskz_loadu_ps(valid, bias + col + 16 * h) : _mm512_setzero_ps();
+        for (int r = 0; r < mr; r++)
+            _mm256_mask_storeu_epi16(y + (r0 + r) * y_stride + col + 16 * h, valid,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][h], add)));
+    }
+}
+
+#define IX_TYPE(NAME, TYPE)                                                                                      \
+    static void NAME(const struct ix_rows *xs, int64_t r0, const uint8_t *tiles, int64_t nb, int mr, uint16_t *y, \
+                     int64_t ys, const float *bias, int64_t col, int64_t cols) {                                 \
+        switch (mr) {                                                                                            \
+        case 1: ix_group(TYPE, xs, r0, tiles, nb, 1, y, ys, bias, col, cols); break;                             \
+        case 2: ix_group(TYPE, xs, r0, tiles, nb, 2, y, ys, bias, col, cols); break;                             \
+        case 3: ix_group(TYPE, xs, r0, tiles, nb, 3, y, ys, bias, col, cols); break;                             \
+        default: ix_group(TYPE, xs, r0, tiles, nb, IX_ROWS, y, ys, bias, col, cols); break;                      \
+        }                                                                                                        \
+    }
+IX_TYPE(ix_q4_0, Q4_0)
+IX_TYPE(ix_q4_1, Q4_1)
+IX_TYPE(ix_q8_0, Q8_0)
+
+static __thread void *ix_scratch; /* the calling thread's digits and scales; its OpenMP team reads them */
+static __thread int64_t ix_scratch_bytes;
+
+/* quant_linear_bf16 in exact integer products; 0 (nothing done) when there is no memory for x's digits. */
+static int quant_bf16_exact(int type, const uint16_t *x, int64_t x_stride, const uint8_t *packed, const float *bias,
+                            uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
+    const int64_t nb = k / QK, groups = (n + GROUP - 1) / GROUP, group_bytes = nb * tile_bytes(type);
+    const int64_t digit_bytes = (3 * m * k + 63) / 64 * 64, bytes = digit_bytes + m * nb * (2 * 4 + 3 * 4);
+    if (ix_scratch_bytes < bytes) {
+        free(ix_scratch);
+        ix_scratch = aligned_alloc(64, (size_t)bytes);
+        ix_scratch_bytes = ix_scratch ? bytes : 0;
+        if (!ix_scratch) return 0;
+    }
+    char *mem = ix_scratch;
+    const struct ix_rows xs = {(int8_t *)mem, (float *)(mem + digit_bytes), (float *)(mem + digit_bytes) + m * nb,
+                               (int32_t *)(mem + digit_bytes) + 2 * m * nb, k, nb, m};
+    ix_quantize(x, x_stride, m, &xs);
+    void (*fn)(const struct ix_rows *, int64_t, const uint8_t *, int64_t, int, uint16_t *, int64_t, const float *,
+               int64_t, int64_t) = type == Q4_0 ? ix_q4_0 : type == Q4_1 ? ix_q4_1 : ix_q8_0;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t col = g * GROUP, cols = n - col < GROUP ? n - col : GROUP;
+        for (int64_t r0 = 0; r0 < m; r0 += IX_ROWS) {
+            const int mr = (int)(m - r0 < IX_ROWS ? m - r0 : IX_ROWS);
+            fn(&xs, r0, packed + g * group_bytes, nb, mr, y, y_stride, bias, col, cols);
+        }
+    }
+    return 1;
+}
+#else
+#define HAVE_IX 0
+#endif
+
+/* Calls of at most this many rows take the exact integer products where the tiles are granted,
+ * elsewhere none (benchmarks/cpu_quantized.py, a pass through SmolLM2's linears, Q4_1 with a Q8_0
+ * head, Emerald Rapids, two threads, against the tiles' time: 1 row 0.63x, 2 rows 0.74x, 3 rows
+ * 0.77x, 4 rows 0.85x, 8 rows 1.31x). quant_bf16_exact_rows changes it. */
+#define EXACT_ROWS 4
+static int64_t exact_rows = -1; /* -1: the default, resolved at first use */
+
+int quant_bf16_amx(void);
+
+/* Sets the rows up to which calls take the exact integer products (rows >= 0; 0: none; where this
+ * build has no such path, always 0), restores the default (rows == -1), or only reads (other
+ * negative rows); returns the rows in force. */
+int64_t quant_bf16_exact_rows(int64_t rows) {
+    if (rows >= 0) exact_rows = HAVE_IX ? rows : 0;
+    if (rows == -1 || exact_rows < 0) exact_rows = HAVE_IX && quant_bf16_amx() ? EXACT_ROWS : 0;
+    return exact_rows;
+}
+
 /* Rows from which quant_linear_bf16 multiplies on AMX tiles (where granted); fewer rows would go
  * through the dot products. From one row by default: a row's bits then never depend on its batch,
  * and the tiles cost about what the dot products do at one or two rows (benchmarks/cpu_quantized.py,
@@ -801,6 +1079,11 @@ void quant_linear_bf16(int type, const uint16_t *x, int64_t x_stride, const uint
     const int64_t xs = x_stride / 2, ys = y_stride, kp = k / 2;
     void (*direct)(const uint32_t *, int64_t, const uint8_t *, int64_t, int, uint16_t *, int64_t, const float *,
                    int64_t, int64_t) = type == Q4_0 ? direct_bf16_q4_0 : type == Q4_1 ? direct_bf16_q4_1 : direct_bf16_q8_0;
+#if HAVE_IX
+    if (m <= quant_bf16_exact_rows(-2) && k > 0 && quant_bf16_exact(type, x, x_stride, packed, bias, y, y_stride, m,
+                                                                     n, k))
+        return;
+#endif
 #if HAVE_QAMX
     if (m >= on_tiles_from && k > 0 && quant_bf16_amx()) {
         if (m <= TILE_ROWS) {
@@ -1411,4 +1694,4 @@ void quant_rows(int type, const uint8_t *packed, const int64_t *ids, int64_t cou
 int quant_simd(void) { return SIMD; }
 
 /* The ABI version worker_svc/cpu/quantized.py expects; bump it when a signature changes. */
-int pagewire_cpu_quant_abi(void) { return 4; }
+int pagewire_cpu_quant_abi(void) { return 5; }
