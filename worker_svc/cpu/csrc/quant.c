@@ -1,8 +1,9 @@
 /* y = x W^T + b on CPU with W kept in a 4- or 8-bit block format (GGUF Q4_0, Q4_1, Q8_0), b
  * float32, x and y float32 (quant_linear: each weight dequantized to fp32 in registers and
  * multiplied by an fp32 FMA) or bfloat16 (quant_linear_bf16, on AVX-512 BF16: the fp32 weight
- * rounded to bf16 and multiplied by vdpbf16ps dot products, below); or x rounded to int8 per
- * block and multiplied in integers (quant_linear_i8, --int8-activations, further below).
+ * rounded to bf16 and multiplied by vdpbf16ps dot products or AMX tiles, or for calls of few rows
+ * on AMX CPUs x split into int8 digits and multiplied exactly in integers, below); or x rounded to
+ * int8 per block and multiplied in integers (quant_linear_i8, --int8-activations, further below).
  *
  * A block holds 32 consecutive weights of one output row with an fp16 scale d (and for Q4_1 an
  * fp16 offset m): Q4_0 w = (q - 8) d, q in 0..15; Q4_1 w = q d + m, q in 0..15; Q8_0 w = q d, q in
@@ -1014,8 +1015,8 @@ static int quant_bf16_exact(int type, const uint16_t *x, int64_t x_stride, const
 
 /* Calls of at most this many rows take the exact integer products where the tiles are granted,
  * elsewhere none (benchmarks/cpu_quantized.py, a pass through SmolLM2's linears, Q4_1 with a Q8_0
- * head, Emerald Rapids, two threads, against the tiles' time: 1 row 0.63x, 2 rows 0.74x, 3 rows
- * 0.77x, 4 rows 0.85x, 8 rows 1.31x). quant_bf16_exact_rows changes it. */
+ * head, Emerald Rapids, two threads, against the tiles' time: 1 row 0.64x, 2 rows 0.70x, 3 rows
+ * 0.75x, 4 rows 0.85x, 8 rows 1.33x). quant_bf16_exact_rows changes it. */
 #define EXACT_ROWS 4
 static int64_t exact_rows = -1; /* -1: the default, resolved at first use */
 
