@@ -256,7 +256,7 @@ def _near_a_bf16_tie(exact: torch.Tensor, magnitude: torch.Tensor, blocks: int) 
     """Where a float64 value lies closer to a midpoint between two bf16 values (where rounding to
     bf16 flips) than an fp32 sum of ``blocks`` blocks' terms of total ``magnitude`` may stray: one
     rounding per block's sum and one per fma into the output, 2^-24 of the magnitude each."""
-    e = torch.frexp(exact.abs().clamp_min(1e-30))[1].double()  # |v| in [2^(e-1), 2^e)
+    e = torch.frexp(exact.abs().clamp_min(1e-300))[1].double()  # |v| in [2^(e-1), 2^e)
     step = torch.ldexp(torch.ones_like(e), (e - 8).int())  # bf16 keeps 8 significant bits
     distance = (torch.remainder(exact.abs() / step, 1.0) - 0.5).abs() * step
     return distance <= (2 * blocks + 2) * 2.0**-24 * magnitude
@@ -268,7 +268,7 @@ def _on_block_scales(x: torch.Tensor) -> torch.Tensor:
     (csrc/quant.c): unchanged but for values more than 13 binades below the block's largest."""
     m, k = x.shape
     blocks = x.view(torch.int16).view(m, k // 32, 32).int() & 0xFFFF
-    e = ((blocks >> 7) & 0xFF).amax(-1, keepdim=True)
+    e = ((blocks >> 7) & 0xFF).amax(-1, keepdim=True).clamp_min(1)  # bf16 subnormals: exact on 2^-146
     scale = torch.ldexp(torch.ones_like(e, dtype=torch.float64), e - 147)
     values = x.double().view(m, k // 32, 32)
     return (torch.round(values / scale) * scale).view(m, k)
@@ -287,13 +287,15 @@ def test_calls_of_few_rows_are_the_exact_products_rounded_to_bf16(exact_path, bt
     packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
     weight = Q.dequantize_ref(packed, btype, n, k).double()
     bias = torch.randn(n)
-    x = torch.randn(3, k).bfloat16()
+    x = torch.randn(9, k).bfloat16()
     x[0, :32] *= 2.0**-20  # a block whose values are all small
     x[1, 5] = 3000.0  # a block wider than 13 binades: its smallest values round to the scale's integers
     scaled = _on_block_scales(x)
-    assert torch.equal(scaled[[0, 2]], x[[0, 2]].double()) and not torch.equal(scaled[1], x[1].double())
+    assert torch.equal(scaled[0], x[0].double()) and not torch.equal(scaled[1], x[1].double())
     exact = scaled @ weight.T + bias.double()
+    lib.exact_rows = 9  # two passes of 4 rows and one of 1
     y = lib.linear_bf16(x, packed, btype, n, bias)
+    lib.exact_rows = 4
     near_a_tie = _near_a_bf16_tie(exact, scaled.abs() @ weight.T.abs() + bias.double().abs(), k // 32)
     assert near_a_tie.float().mean() < 0.05  # the check is not empty
     assert ((y == exact.float().bfloat16()) | near_a_tie).all()
@@ -303,40 +305,55 @@ def test_calls_of_few_rows_are_the_exact_products_rounded_to_bf16(exact_path, bt
     assert (tiles != exact.float().bfloat16()).float().mean() > 0.15
     # a row's bits do not depend on the rows beside it, up to exact_rows; x read at a stride, no
     # bias, into a view of wider rows
-    for m in (1, 2):
+    for m in (1, 2, 3, 4):
         assert torch.equal(lib.linear_bf16(x[:m], packed, btype, n, bias), y[:m])
-    for r in range(3):
+    for r in range(9):
         assert torch.equal(lib.linear_bf16(x[r : r + 1], packed, btype, n, bias)[0], y[r])
-    wide = torch.randn(3, 2 * k).bfloat16()
-    wide[:, :k] = x
-    plain = lib.linear_bf16(x, packed, btype, n, None)
-    out = torch.zeros(3, n + 8, dtype=torch.bfloat16)
+    wide = torch.randn(4, 2 * k).bfloat16()
+    wide[:, :k] = x[:4]
+    plain = lib.linear_bf16(x[:4], packed, btype, n, None)
+    out = torch.zeros(4, n + 8, dtype=torch.bfloat16)
     lib.linear_bf16(wide[:, :k], packed, btype, n, None, out=out[:, :n])
     assert torch.equal(out[:, :n], plain) and not out[:, n:].any()
 
 
 @pytest.mark.parametrize("btype,qtype", TYPES, ids=lambda t: getattr(t, "name", ""))
 def test_exact_products_of_zero_tiny_and_non_finite_blocks(exact_path, btype, qtype):
-    """A block of zeros adds nothing; one of values below 2^-106 (its digits made one at a time)
-    still counts; an infinity or NaN in a block makes the outputs NaN, as any multiply would."""
+    """A block of zeros adds nothing; blocks of tiny values, whose largest exponent is 20 (its digits
+    made one value at a time) or 21 (the vector path's smallest), and values below 2^-110, still
+    count exactly; an infinity or NaN in a block makes the outputs NaN, as any multiply would."""
     lib = exact_path
     n, k = 40, 96
     torch.manual_seed(11)
     packed = Q.pack_blocks(quantized_blocks(torch.randn(n, k), qtype), btype, n, k)
     weight = Q.dequantize_ref(packed, btype, n, k).double()
-    x = torch.randn(3, k).bfloat16()
+    x = torch.randn(5, k).clamp(-1.9, 1.9).bfloat16()
     x[0, :32] = 0.0
     x[1] = x[1] * 2.0**-110
+    for row, exponent in ((2, 20), (3, 21)):  # biased exponents: 1.5 * 2^(e - 127) is a block's largest
+        x[row] = (x[row].float() * 2.0 ** (exponent - 128)).bfloat16()
+        x[row, ::32] = 1.5 * 2.0 ** (exponent - 127)
+    assert ((x[2:4].view(torch.int16).int() >> 7) & 0xFF).amax(-1).tolist() == [20, 21]
     scaled = _on_block_scales(x)
     exact = scaled @ weight.T
-    y = lib.linear_bf16(x[:2], packed, btype, n, None)
-    near_a_tie = _near_a_bf16_tie(exact[:2], scaled[:2].abs() @ weight.T.abs(), k // 32)
-    assert ((y == exact[:2].float().bfloat16()) | near_a_tie).all()
-    assert (y[1] != 0).any()
-    x[2, 40] = float("inf")
-    assert torch.isnan(lib.linear_bf16(x[2:], packed, btype, n, None)).all()
-    x[2, 40] = float("nan")
-    assert torch.isnan(lib.linear_bf16(x[2:], packed, btype, n, None)).all()
+    y = lib.linear_bf16(x[:4], packed, btype, n, None)
+    near_a_tie = _near_a_bf16_tie(exact[:4], scaled[:4].abs() @ weight.T.abs(), k // 32)
+    assert ((y == exact[:4].float().bfloat16()) | near_a_tie).all()
+    assert (y[1:4] != 0).any(dim=1).all()  # the tiny rows count
+    # one block of bf16 subnormals (exponent 0), zeros elsewhere: exact on the scale 2^-146; the
+    # outputs that are normal fp32 numbers (bf16 rounding flushes the others) are the exact ones
+    sub = torch.zeros(1, k)
+    sub[0, :32] = torch.empty(32).uniform_(0.5, 0.99) * torch.randn(32).sign() * 2.0**-126
+    sub = sub.bfloat16()
+    assert ((sub.view(torch.int16).int() >> 7) & 0xFF).max() == 0 and sub.any()
+    exact = sub.double() @ weight.T
+    tiny = lib.linear_bf16(sub, packed, btype, n, None)
+    normal = exact.abs() > 2.0**-125
+    assert normal.sum() > 5 and torch.allclose(tiny.double()[normal], exact[normal], rtol=2**-7, atol=0)
+    x[4, 40] = float("inf")
+    assert torch.isnan(lib.linear_bf16(x[4:], packed, btype, n, None)).all()
+    x[4, 40] = float("nan")
+    assert torch.isnan(lib.linear_bf16(x[4:], packed, btype, n, None)).all()
 
 
 def test_int8_quantization_round_trips_within_half_a_step(lib):
@@ -484,13 +501,17 @@ def test_tiny_gguf_served_from_its_blocks_in_bf16_equals_its_bf16_dequantization
     source = tiny_model_dir("llama-gqa")
     model_dir, _ = write_gguf_model(source, tmp_path / "converted", tied=tied, types=MIXED)
     prompts = sample_prompts(source, n=4, lengths=(1, 9, 33, 77))
-    with caplog.at_level("INFO", logger="pagewire.worker"):
-        quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized", deterministic=True)
-    on = "AMX tiles" if bf16_lib.bf16_amx else "AVX-512 BF16 dot products"
-    assert f"bf16 arithmetic (C kernel, {on}, " in caplog.text
-    # the same bf16 weights, embedding rows and sums (csrc/linear.c's order, or on AMX the same
-    # tiles): the same tokens
-    assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize", deterministic=True)
+    try:
+        with caplog.at_level("INFO", logger="pagewire.worker"):
+            quantized = greedy(model_dir, prompts, "bfloat16", gguf_weights="quantized", deterministic=True)
+        on = "AMX tiles" if bf16_lib.bf16_amx else "AVX-512 BF16 dot products"
+        assert f"bf16 arithmetic (C kernel, {on}, " in caplog.text
+        # the same bf16 weights, embedding rows and sums (csrc/linear.c's order, or on AMX the same
+        # tiles): the same tokens
+        assert quantized == greedy(model_dir, prompts, "bfloat16", gguf_weights="dequantize", deterministic=True)
+    finally:  # as a worker without --deterministic sets them
+        paged.use_cpu_attention(attention.kernel)
+        bf16_lib.exact_rows = None
     caplog.clear()
     with caplog.at_level("INFO", logger="pagewire.worker"):
         greedy(model_dir, prompts[:1], "bfloat16", gguf_weights="quantized")

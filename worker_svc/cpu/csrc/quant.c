@@ -756,31 +756,34 @@ static int quant_bf16_on_tiles(int type, const uint16_t *x, int64_t x_stride, co
 /* ---- bf16 activations in exact integer products (calls of few rows where the tiles are granted) ----
  *
  * A row's bf16 x is written per block of 32 inputs as integers on a common power-of-two scale:
- * s = 2^(E - 147), E the largest biased exponent among the block's 32 values, and
+ * s = 2^(E - 147), E the largest biased exponent among the block's 32 values (at least 1), and
  * xi = round(x / s), |xi| < 2^21, exact for every value within 13 binades of the block's largest
- * (its 8 significant bits land on integers; a smaller value rounds to nearest even, as do values of
- * a block whose largest is below 2^-106, which goes through the scalar path). xi is split into
- * three int8 digits, xi = D2 2^14 + D1 2^7 + D0 with D0, D1 in 0..127 and D2 in -128..127, and each
- * digit multiplies the block's quants in integers (vpdpbusd), so the three sums
+ * (its 8 significant bits land on integers; a smaller value rounds to nearest even; zeros and bf16
+ * subnormals are exact too; a block whose largest is below 2^-106 goes through the scalar path, one
+ * with an infinity or NaN makes s NaN). xi is split into three int8 digits, xi = D2 2^14 + D1 2^7 +
+ * D0 with D0, D1 in 0..127 and D2 in -128..127, and each digit multiplies the block's quants in
+ * integers (vpdpbusd), so the three sums
  *   I_d = sum q D_d   (Q4: q in 0..15; Q8_0: q + 128 in 0..255, less 128 sum D_d)
- * are exact in int32 whatever their order. An output then takes, block by block in order along k,
- *   f = fma(I2, 2^14, fma(I1, 2^7, I0)),  acc = fma(f, d s, acc),  Q4: acc = fma(m, sx, acc)
- * with d s exact (s a power of two), sx = s sum xi rounded once, m the block's offset (Q4_1: m,
- * Q4_0: -8 d), then adds the bias and rounds to bf16. The weights are the dequantized model's
- * exactly (not rounded to bf16, as the tiles' are) and each block's products are summed exactly and
- * rounded once, so these outputs are at least as close to the exact product as the tiles'; but they
- * are other bits, so a row's result depends on whether its call takes this path (calls of up to
+ * are exact in int32 whatever their order, and so is I = I2 2^14 + I1 2^7 + I0, held as
+ * hi 2^14 + lo (lo in 0..16383). An output then takes, block by block in order along k,
+ *   f = fma(hi, 2^14, lo) (I rounded to fp32 once),  acc = fma(f s, d, acc),  Q4: acc = fma(m, sx, acc)
+ * with f s exact (s a power of two, for E >= 21), sx = s sum xi rounded once, m the block's offset
+ * (Q4_1: m, Q4_0: -8 d), then adds the bias and rounds to bf16. The weights are the dequantized
+ * model's exactly (not rounded to bf16, as the tiles' are), each block's sum of products is exact
+ * and rounded once, and the scale, the offset and the running sum add one fp32 rounding each, so
+ * these outputs are the exact product rounded to bf16 but near a tie; but they are other bits than
+ * the tiles', so a row's result depends on whether its call takes this path (calls of up to
  * exact_rows rows) or the tiles.
  *
  * Why: one row on the tiles is bound by making the bf16 pairs (about nine vector operations per 32
- * weights); here a block's quants become the products' bytes with three (one vpermb, one
- * vpmultishiftqb, one vpand per 64 weights and half a group), and the pass through SmolLM2's
- * linears reads the blocks at close to the memory's rate (benchmarks/cpu_quantized.py). Each extra
- * row costs three vpdpbusd per 64 weights where the tiles cost nothing, so from a few rows the tiles
- * win. */
+ * weights); here a block's quants become the products' bytes with a few: per 64 Q4 weights half a
+ * vpermb, a vpmultishiftqb and a vpand, per 64 Q8_0 ones a vpermt2b and a vpxor. Each extra row
+ * costs three vpdpbusd per 64 weights where the tiles cost nothing, so from a few rows the tiles
+ * win (EXACT_ROWS below). */
 #if HAVE_BF16 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define HAVE_IX 1
-#define IX_ROWS 4 /* rows a pass: 3 digits x 2 halves x 4 rows = 24 int32 sums */
+#define IX_ROWS 4  /* rows a pass: 3 digits x 2 halves x 4 rows = 24 int32 sums */
+#define IX_AHEAD 8 /* tiles prefetched ahead (4 to 16 measured alike) */
 
 /* Rows of x as digits: dig [3][rows][k] (digit, row, k), per block s, sx ([rows][nb]) and the
  * digits' sums dsum [rows][nb][3]. */
@@ -794,18 +797,18 @@ struct ix_rows {
 /* Row r's block b (32 bf16 at p) into xs, one value at a time (the reference, and the blocks the
  * vector path leaves: a largest exponent below 20 or a NaN or infinity, where s is NaN). */
 static void ix_block_scalar(const uint16_t *p, int64_t r, int64_t b, const struct ix_rows *xs) {
-    int emax = 0;
+    int emax = 1; /* zeros and subnormals (exponent 0) are multiples of 2^-133: exact on 2^-146 */
     for (int i = 0; i < QK; i++) {
         const int e = (p[i] >> 7) & 0xff;
         emax = e > emax ? e : emax;
     }
-    const double up = emax ? __builtin_ldexp(1.0, 147 - emax) : 0.0;
+    const double up = __builtin_ldexp(1.0, 147 - emax);
     int64_t sum = 0;
     int32_t ds[3] = {0, 0, 0};
     for (int i = 0; i < QK; i++) {
         union { uint32_t u; float f; } v;
         v.u = (uint32_t)p[i] << 16;
-        const int32_t xi = emax && emax < 255 ? (int32_t)__builtin_nearbyint((double)v.f * up) : 0;
+        const int32_t xi = emax < 255 ? (int32_t)__builtin_nearbyint((double)v.f * up) : 0;
         const int32_t dg[3] = {xi & 127, (xi >> 7) & 127, xi >> 14};
         for (int d = 0; d < 3; d++) {
             xs->dig[(d * xs->rows + r) * xs->k + b * QK + i] = (int8_t)dg[d];
@@ -813,7 +816,7 @@ static void ix_block_scalar(const uint16_t *p, int64_t r, int64_t b, const struc
         }
         sum += xi;
     }
-    const double s = emax == 255 ? __builtin_nan("") : emax ? __builtin_ldexp(1.0, emax - 147) : 0.0;
+    const double s = emax == 255 ? __builtin_nan("") : __builtin_ldexp(1.0, emax - 147);
     xs->s[r * xs->nb + b] = (float)s;
     xs->sx[r * xs->nb + b] = (float)((double)sum * s);
     for (int d = 0; d < 3; d++) xs->dsum[(r * xs->nb + b) * 3 + d] = ds[d];
@@ -902,6 +905,9 @@ static inline __attribute__((always_inline)) void ix_group(const int type, const
     for (int r = 0; r < IX_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tile = tiles + b * tb, *qs = tile + quants_offset(type);
+        /* the tile IX_AHEAD blocks on (past the group's end, the next group's, which this thread
+         * takes next): the hardware's prefetch alone left a one-row pass at 0.74x these rates */
+        for (int64_t l = 0; l < tb; l += 64) _mm_prefetch((const char *)tile + IX_AHEAD * tb + l, _MM_HINT_T0);
         __m512i I[IX_ROWS][3][2];
 #pragma GCC unroll 8
         for (int r = 0; r < IX_ROWS; r++)
@@ -946,10 +952,13 @@ static inline __attribute__((always_inline)) void ix_group(const int type, const
                         i1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(128 * xs->dsum[rb * 3 + 1]));
                         i2 = _mm512_sub_epi32(i2, _mm512_set1_epi32(128 * xs->dsum[rb * 3 + 2]));
                     }
-                    const __m512 f = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(i2), _mm512_set1_ps(16384.0f),
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(i0)));
-                    acc[r][h] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(xs->s[rb])), acc[r][h]);
+                    /* I2 2^14 + I1 2^7 + I0 = hi 2^14 + lo exactly, rounded to fp32 once */
+                    const __m512i j = _mm512_add_epi32(_mm512_slli_epi32(i1, 7), i0);
+                    const __m512i hi = _mm512_add_epi32(i2, _mm512_srai_epi32(j, 14));
+                    const __m512i lo = _mm512_and_si512(j, _mm512_set1_epi32(16383));
+                    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(16384.0f),
+                                                     _mm512_cvtepi32_ps(lo));
+                    acc[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(xs->s[rb])), dv, acc[r][h]);
                     if (type != Q8_0) acc[r][h] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs->sx[rb]), acc[r][h]);
                 }
         }
@@ -986,7 +995,7 @@ static __thread int64_t ix_scratch_bytes;
 static int quant_bf16_exact(int type, const uint16_t *x, int64_t x_stride, const uint8_t *packed, const float *bias,
                             uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
     const int64_t nb = k / QK, groups = (n + GROUP - 1) / GROUP, group_bytes = nb * tile_bytes(type);
-    const int64_t digit_bytes = (3 * m * k + 63) / 64 * 64, bytes = digit_bytes + m * nb * (2 * 4 + 3 * 4);
+    const int64_t digit_bytes = (3 * m * k + 63) / 64 * 64, bytes = (digit_bytes + m * nb * (2 * 4 + 3 * 4) + 63) / 64 * 64;
     if (ix_scratch_bytes < bytes) {
         free(ix_scratch);
         ix_scratch = aligned_alloc(64, (size_t)bytes);
@@ -1031,9 +1040,10 @@ int64_t quant_bf16_exact_rows(int64_t rows) {
     return exact_rows;
 }
 
-/* Rows from which quant_linear_bf16 multiplies on AMX tiles (where granted); fewer rows would go
- * through the dot products. From one row by default: a row's bits then never depend on its batch,
- * and the tiles cost about what the dot products do at one or two rows (benchmarks/cpu_quantized.py,
+/* Rows from which quant_linear_bf16 multiplies on AMX tiles (where granted, past the calls of up
+ * to exact_rows rows); fewer rows would go through the dot products. From one row by default: with
+ * exact_rows 0 (--deterministic) a row's bits then never depend on its batch, and the tiles cost
+ * about what the dot products do at one or two rows (benchmarks/cpu_quantized.py,
  * a pass through SmolLM2's linears on Emerald Rapids, two threads: 1 row 1.06x the dot products'
  * time, 2 rows 0.88x, 4 rows 0.72x, 32 rows 0.26x). quant_bf16_tiles_from changes it. */
 #define TILES_FROM 1
@@ -1067,10 +1077,12 @@ static inline float bf16_value(float f) { /* round to nearest even, as torch's c
 }
 
 /* x [m, k] bf16 (rows x_stride elements apart, x_stride even; k a multiple of 32), W [n, k] packed
- * in `type` as above, bias [n] fp32 or NULL -> y [m, n] bf16 (rows y_stride apart). On AMX tiles
- * where granted (calls of on_tiles_from rows or more; where no memory is left for x's copy or the
- * pairs, the dot products instead), else on AVX-512 BF16 dot products; without AVX-512 BF16, a
- * portable loop with the same weights and pairing (each pair's two products summed in fp32). */
+ * in `type` as above, bias [n] fp32 or NULL -> y [m, n] bf16 (rows y_stride apart). Calls of up to
+ * exact_rows rows in exact integer products (where the build has them and the rows are set: by
+ * default where the tiles are granted); others on AMX tiles where granted (calls of on_tiles_from
+ * rows or more; where no memory is left for x's copy or the pairs, the dot products instead), else
+ * on AVX-512 BF16 dot products; without AVX-512 BF16, a portable loop with the same weights and
+ * pairing (each pair's two products summed in fp32). */
 void quant_linear_bf16(int type, const uint16_t *x, int64_t x_stride, const uint8_t *packed, const float *bias,
                        uint16_t *y, int64_t y_stride, int64_t m, int64_t n, int64_t k) {
     if (m <= 0 || n <= 0) return;
