@@ -234,7 +234,7 @@ class Settings:
         False, "make a request's tokens independent of its batch and of prefix-cache hits on CPU: every attention "
         "chunk on the C kernel, every unrestricted row drawn the same way and, on CPUs with AMX, a quantized bf16 "
         "model's linears of few rows on the tiles rather than in exact integer products; costs up to ~10%% on long "
-        "bf16 prefills (4k tokens) and, on AMX CPUs, about 40%% of a quantized model's one-stream decode rate",
+        "bf16 prefills (4k tokens) and, on AMX CPUs, 40-50%% of a quantized model's one-stream decode rate",
         scope=(WORKER,))
     quantization: str = _setting(
         "none", "int8: keep the linears and the output head of a safetensors checkpoint as int8 blocks on CPU (one "

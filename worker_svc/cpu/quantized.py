@@ -216,8 +216,9 @@ class QuantKernel(TilesFrom):
 
     def linear_bf16(self, x: torch.Tensor, packed: torch.Tensor, btype: BlockType, out_features: int,
                     bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] bf16 -> [M, N] bf16, the weights rounded to bf16 and sums in fp32 (``bias`` fp32),
-        into ``out`` (bf16, contiguous rows) when given."""
+        """x [M, K] bf16 -> [M, N] bf16 (``bias`` fp32), into ``out`` (bf16, contiguous rows) when
+        given: up to :attr:`exact_rows` rows in exact integer products, more with the weights rounded
+        to bf16 and sums in fp32."""
         m, k = x.shape
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise ValueError(f"the quantized bf16 CPU linear takes bfloat16 CPU inputs, got {x.dtype} on {x.device}")

@@ -1024,8 +1024,8 @@ static int quant_bf16_exact(int type, const uint16_t *x, int64_t x_stride, const
 
 /* Calls of at most this many rows take the exact integer products where the tiles are granted,
  * elsewhere none (benchmarks/cpu_quantized.py, a pass through SmolLM2's linears, Q4_1 with a Q8_0
- * head, Emerald Rapids, two threads, against the tiles' time: 1 row 0.64x, 2 rows 0.70x, 3 rows
- * 0.75x, 4 rows 0.85x, 8 rows 1.33x). quant_bf16_exact_rows changes it. */
+ * head, Emerald Rapids, two threads, against the tiles' time: 1 row 0.49x, 2 rows 0.54x, 3 rows
+ * 0.62x, 4 rows 0.76x, 8 rows 1.10x). quant_bf16_exact_rows changes it. */
 #define EXACT_ROWS 4
 static int64_t exact_rows = -1; /* -1: the default, resolved at first use */
 
