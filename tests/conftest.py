@@ -43,3 +43,15 @@ def quant_lib():
     if built is None:
         pytest.skip("no C compiler")
     return built
+
+
+@pytest.fixture(scope="session")
+def bf16_lib(quant_lib):
+    """The quantized kernels where they multiply bf16 natively (AVX-512 BF16); skips elsewhere."""
+    from worker_svc.cpu import quantized
+    from worker_svc.cpu.features import cpu_info
+
+    if not quantized.bf16_kernel_available():
+        pytest.skip(f"the quantized bf16 kernel needs AVX-512 BF16 dot products; this CPU has {cpu_info().isa} "
+                    "(a bf16 model computes in fp32 here, as the fp32 tests check)")
+    return quant_lib

@@ -79,7 +79,7 @@ def test_lean_pass_equals_the_modules(quant_lib, tiny_model_dir, tmp_path, monke
         assert [out.token_ids for out in llm.generate(prompts, params)] == together
     # in bf16 where the AMX tiles are granted a call of up to 4 rows takes exact integer products and
     # a larger one the tiles, so the one-token prompt's prefill alone and in the 67-token chunk round
-    # apart (--deterministic keeps them together: tests/test_cpu_quantized.py)
+    # apart (--deterministic keeps them together: tests/test_cpu_exact_products.py)
     if not (dtype == "bfloat16" and quant_lib.exact_rows):
         assert together == alone
     assert 1 in checked and 4 in checked and 9 in checked  # lone and batched decodes, a prefill chunk
