@@ -759,7 +759,7 @@ static int quant_bf16_on_tiles(int type, const uint16_t *x, int64_t x_stride, co
  * s = 2^(E - 147), E the largest biased exponent among the block's 32 values (at least 1), and
  * xi = round(x / s), |xi| < 2^21, exact for every value within 13 binades of the block's largest
  * (its 8 significant bits land on integers; a smaller value rounds to nearest even; zeros and bf16
- * subnormals are exact too; a block whose largest is below 2^-106 goes through the scalar path, one
+ * subnormals are exact too; a block whose largest is below 2^-107 goes through the scalar path, one
  * with an infinity or NaN makes s NaN). xi is split into three int8 digits, xi = D2 2^14 + D1 2^7 +
  * D0 with D0, D1 in 0..127 and D2 in -128..127, and each digit multiplies the block's quants in
  * integers (vpdpbusd), so the three sums
