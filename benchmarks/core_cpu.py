@@ -2,6 +2,7 @@
 section "The core's own cost".
 
     python benchmarks/core_cpu.py [--streams 256] [--max-new-tokens 64] [--num-requests 2048] [--prompt-len 16]
+        [--worker-step-ms 0,3]
 
 Runs ``CoreService`` (the engine task, admission, the allocator, per-step messages to an API
 server) on one event loop against an in-process worker that answers every plan at once, and one
@@ -9,6 +10,11 @@ in-process API-server stream that takes each step's message and acknowledges it.
 still go through their protobuf encoding both ways, as over gRPC; the worker's and the API
 server's sides of that are timed apart and left out. What remains is the core's Python work per token at full batches: the
 floor under what the served core spends, which adds grpc.aio's per-message costs.
+
+``--worker-step-ms 0,3`` runs each repeat once per value, in turn: the worker answers each plan after
+that many milliseconds of idle wait (a served worker's step time), so the core's event loop sleeps
+before every result as a served core does, and the figures show what that idling costs the same
+work on this host (caches and predictors cold after it).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ class InstantWorker:
     """The WorkerLink interface, answering each plan at once with one token per sequence that
     reached the end of its known tokens; its own CPU time (both wire ends) is counted apart."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, step_s: float = 0.0):
+        self.step_s = step_s  # idle wait before each result (a served worker's step time)
         self.known: dict[int, int] = {}
         self.computed: dict[int, int] = {}
         self.results: list[StepResult] = []
@@ -69,7 +76,7 @@ class InstantWorker:
         self.results.append(wire.result_from_pb(encoded))  # the core's decode: counted with the core
 
     async def receive(self):
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.step_s)
         return self.results.pop(0)
 
     def on_lost(self, callback) -> None:
@@ -85,10 +92,10 @@ class InstantWorker:
         pass
 
 
-async def run(args) -> tuple[float, float, int]:
+async def run(args, step_s: float = 0.0) -> tuple[float, float, int]:
     workers: list[InstantWorker] = []
     service = CoreService("in-process", Settings(max_num_seqs=args.streams),
-                          link_factory=lambda address: workers.append(InstantWorker(address)) or workers[-1])
+                          link_factory=lambda address: workers.append(InstantWorker(address, step_s)) or workers[-1])
     service.start()
     await service.connected.wait()
     # the messages cross as bytes both ways, as on a Connect session (the packing is the core's cost)
@@ -140,6 +147,17 @@ async def run(args) -> tuple[float, float, int]:
     return total, workers[0].cpu_s + api_cpu, steps
 
 
+def step_list(text: str) -> list[float]:
+    """``--worker-step-ms``: comma-separated milliseconds, each >= 0."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {text!r}") from None
+    if not values or any(not 0 <= v < 1000 for v in values):
+        raise argparse.ArgumentTypeError(f"each value must be in [0, 1000) ms, got {text!r}")
+    return values
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=256)
@@ -147,13 +165,18 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=2048)
     p.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt, each prompt its own")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--worker-step-ms", type=step_list, default=[0.0], metavar="MS[,MS...]",
+                   help="the in-process worker answers each plan after this idle wait; several values are run in "
+                        "turn within each repeat (default: 0, at once)")
     args = p.parse_args()
     tokens = args.num_requests * args.max_new_tokens
     for _ in range(args.repeat):
-        total, others, steps = eventloop.run(run(args))
-        print(f"core CPU {1e6 * (total - others) / tokens:.2f} us/token ({tokens / steps:.0f} tokens/step); "
-              f"the in-process worker's and API server's sides of the wire {1e6 * others / tokens:.2f} us/token, "
-              f"left out")
+        for step_ms in args.worker_step_ms:
+            total, others, steps = eventloop.run(run(args, step_ms / 1e3))
+            wait = f"worker step {step_ms:g} ms: " if len(args.worker_step_ms) > 1 or step_ms else ""
+            print(f"{wait}core CPU {1e6 * (total - others) / tokens:.2f} us/token ({tokens / steps:.0f} tokens/step); "
+                  f"the in-process worker's and API server's sides of the wire {1e6 * others / tokens:.2f} "
+                  f"us/token, left out", flush=True)
     return 0
 
 
