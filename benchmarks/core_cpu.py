@@ -14,7 +14,7 @@ floor under what the served core spends, which adds grpc.aio's per-message costs
 ``--worker-step-ms 0,3`` runs each repeat once per value, in turn: the worker answers each plan after
 that many milliseconds of idle wait (a served worker's step time), so the core's event loop sleeps
 before every result as a served core does, and the figures show what that idling costs the same
-work on this host (caches and predictors cold after it).
+work on this host (code runs slower after an idle wait; ``burst_cpu.py`` measures that alone).
 """
 
 from __future__ import annotations
